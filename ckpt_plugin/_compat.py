@@ -1,0 +1,39 @@
+"""The one place that touches private or moving torch APIs.
+
+If a torch release moves one of these, this file is the only one to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identity of a tensor's storage, shared by views (``untyped_storage`` is public)."""
+    st = t.untyped_storage()
+    return (str(t.device), st.data_ptr()) if st.data_ptr() else (str(t.device), id(st))
+
+
+class CategoryPeakTracker(MemTracker):
+    """``MemTracker`` that also records each category's own peak over the step.
+
+    MemTracker's ``get_tracker_snapshot("peak")`` gives the split at the moment
+    the *total* peaked; the activation peak is usually earlier (end of forward)
+    than the total peak (gradients alive), so we keep the per-category maxima
+    from the same live snapshot MemTracker updates after every op.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.category_peaks: dict[str, int] = {}
+
+    def _update_peak_stats(self, peak_state: Any) -> None:  # private hook of MemTracker
+        super()._update_peak_stats(peak_state)
+        for dev_snap in self._curr_mem_snap.values():
+            for key, value in dev_snap.items():
+                name = getattr(key, "name", str(key)).lower()
+                if value > self.category_peaks.get(name, 0):
+                    self.category_peaks[name] = value

@@ -1,0 +1,68 @@
+"""``ActivationCheckpointing``: the Lightning callback behind ``callbacks: activation_checkpointing``.
+
+When it wraps: ``on_fit_start``. Lightning calls a callback's ``setup``
+*before* ``LightningModule.configure_model``, so layers built there (the usual
+place under FSDP, DeepSpeed ZeRO-3 or meta-device init) do not exist yet in
+``setup``. ``on_fit_start`` runs after ``configure_model`` and after the
+strategy has wrapped the model (DDP, FSDP, DeepSpeed), and before the sanity
+check and the first batch, so every layer is there and nothing has run yet.
+``teardown`` unwraps, leaving the module as it was given to ``fit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info
+
+from .config import as_keys, make_config
+from .report import WrapReport, wrap_report
+from .wrapping import apply_config, remove_checkpointing
+
+
+class ActivationCheckpointing(pl.Callback):
+    """Checkpoint the layers named by the keys of the ``ckpt`` config node.
+
+    >>> trainer = Trainer(callbacks=[ActivationCheckpointing(layers="TransformerBlock")])
+
+    The keys are checked here, when the callback is built; the layer names
+    are checked against the model when fitting starts, before anything is
+    wrapped.
+    """
+
+    def __init__(self, **ckpt_keys: Any) -> None:
+        super().__init__()
+        self.config = make_config(**ckpt_keys)
+        self.wrapped: list[str] = []  # qualified names wrapped in the current fit
+        self.report: WrapReport | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(**as_keys(self.config))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.config.mode == "none":
+            rank_zero_info("Activation checkpointing is off (ckpt=none).")
+            return
+        self.wrapped = apply_config(pl_module, self.config)
+        example = pl_module.example_input_array
+        if example is None:
+            rank_zero_info(
+                f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
+                f"{', '.join(self.wrapped)}. (Set `example_input_array` on "
+                f"{type(pl_module).__name__} to see the activation memory this saves.)"
+            )
+            return
+        example = move_data_to_device(example, pl_module.device)
+        # Lightning's convention (as in ModelSummary): a tuple is *args, a dict **kwargs.
+        args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example) if isinstance(
+            example, dict
+        ) else ((example,), {})
+        self.report = wrap_report(pl_module, self.wrapped, lambda: pl_module(*args, **kwargs))
+        rank_zero_info(str(self.report))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            remove_checkpointing(pl_module)

@@ -1,0 +1,216 @@
+"""The typed schema of the ``ckpt`` config node, one dataclass per mode.
+
+Every mode is a small kw-only dataclass holding only its own fields. The same
+classes serve twice: Hydra's ConfigStore uses them as the schema of the YAML
+presets in ``configs/ckpt/`` (so ``ckpt.every_n=two`` is a type error before
+anything runs), and :func:`make_config` builds them from keyword arguments for
+the Python API, validating in ``__post_init__`` with errors that name the key,
+the value and what would work.
+
+Later modes (selective, offload, auto) add a dataclass and an entry in
+``MODES``; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from omegaconf import MISSING
+
+CALLBACK_TARGET = "ckpt_plugin.ActivationCheckpointing"
+
+
+def closest_first(name: str, choices: Iterable[str]) -> list[str]:
+    """``choices`` sorted so the ones most like ``name`` come first (then alphabetical)."""
+    choices = sorted(set(choices))
+    close = difflib.get_close_matches(name, choices, n=len(choices), cutoff=0.0)
+    lowered = name.lower()
+    # Substring hits ("block" -> "TransformerBlock") beat edit-distance ranking.
+    return sorted(close, key=lambda c: (lowered not in c.lower(), close.index(c)))
+
+
+def _quote_all(items: Iterable[str]) -> str:
+    return ", ".join(repr(i) for i in items)
+
+
+@dataclass(kw_only=True)
+class LayerSelection:
+    """Which modules to checkpoint; shared by every mode that wraps modules."""
+
+    # Class names ("TransformerBlock"), dotted class paths ("pkg.mod.Block"),
+    # module-name globs ("blocks.*") or regexes ("re:blocks\.[0-9]+"); a string or a list.
+    layers: Any = MISSING
+    # Wrap every n-th matched layer (the n-th, 2n-th, ...): 1 wraps all of them.
+    every_n: int = 1
+
+    def _problems(self) -> list[str]:
+        problems = []
+        layers = self.layers
+        if layers == MISSING:
+            problems.append(
+                "ckpt.layers is required: name the modules to checkpoint, e.g. "
+                "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'] "
+                "(or choose ckpt=none to switch checkpointing off)"
+            )
+        else:
+            if isinstance(layers, str):
+                layers = [layers]
+            if not isinstance(layers, Iterable) or isinstance(layers, (bytes, dict)):
+                problems.append(
+                    f"ckpt.layers={layers!r} ({type(layers).__name__}) must be a string or a list "
+                    "of strings: class names, dotted class paths, module-name globs or 're:' regexes"
+                )
+            else:
+                layers = list(layers)
+                bad = [x for x in layers if not isinstance(x, str) or not x.strip()]
+                if bad:
+                    problems.append(
+                        f"ckpt.layers: every entry must be a non-empty string, got {_quote_all(bad)}"
+                        if all(isinstance(b, str) for b in bad)
+                        else f"ckpt.layers: every entry must be a string, got {bad!r}"
+                    )
+                elif not layers:
+                    problems.append(
+                        "ckpt.layers=[] names no layers: give at least one class name or pattern, "
+                        "or choose ckpt=none to switch checkpointing off"
+                    )
+                else:
+                    self.layers = tuple(x.strip() for x in layers)
+        if isinstance(self.every_n, bool) or not isinstance(self.every_n, int):
+            problems.append(
+                f"ckpt.every_n={self.every_n!r} ({type(self.every_n).__name__}) must be an integer >= 1"
+            )
+        elif self.every_n < 1:
+            problems.append(
+                f"ckpt.every_n={self.every_n} must be >= 1: 1 wraps every matched layer, "
+                "2 every second one, ..."
+            )
+        return problems
+
+
+def _check_bool(key: str, value: Any) -> list[str]:
+    if isinstance(value, bool):
+        return []
+    return [f"ckpt.{key}={value!r} ({type(value).__name__}) must be true or false"]
+
+
+def raise_problems(problems: list[str], what: str = "the ckpt config") -> None:
+    """Raise one ``ValueError`` listing every problem found (none: return)."""
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} problems in {what}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass(kw_only=True)
+class FullConfig(LayerSelection):
+    """``ckpt=full``: non-reentrant ``torch.utils.checkpoint`` around each selected module."""
+
+    _target_: str = CALLBACK_TARGET
+    mode: str = "full"
+    # Replay the forward's RNG state on recompute so dropout masks match (torch's default).
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        raise_problems(self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state))
+
+
+@dataclass(kw_only=True)
+class NoneConfig(LayerSelection):
+    """``ckpt=none``: train without checkpointing.
+
+    It keeps the selection keys (unused) so that ``ckpt=none`` can be added to
+    any command line that also sets ``ckpt.layers``, for an A/B comparison.
+    """
+
+    _target_: str = CALLBACK_TARGET
+    mode: str = "none"
+
+    def __post_init__(self) -> None:
+        pass  # nothing is wrapped, so nothing in the selection can be wrong
+
+
+MODES: dict[str, type] = {"full": FullConfig, "none": NoneConfig}
+
+CkptConfig = FullConfig | NoneConfig
+
+
+def user_keys(cls: type) -> list[str]:
+    """The keys a user may set for one mode (``mode`` and Hydra's ``_target_`` aside)."""
+    return [f.name for f in fields(cls) if f.name not in ("_target_", "mode")]
+
+
+def make_config(**keys: Any) -> CkptConfig:
+    """Build and validate the config of one mode from the keys of the ``ckpt`` node."""
+    keys.pop("_target_", None)
+    mode = keys.pop("mode", "full")
+    if mode not in MODES:
+        raise ValueError(
+            f"ckpt.mode={mode!r} is not a mode; valid modes, closest first: "
+            f"{_quote_all(closest_first(str(mode), MODES))}"
+        )
+    cls = MODES[mode]
+    valid = user_keys(cls)
+    unknown = [k for k in keys if k not in valid]
+    if unknown:
+        hints = []
+        for k in unknown:
+            near = difflib.get_close_matches(k, valid, n=1)
+            hints.append(f"ckpt.{k}" + (f" (did you mean ckpt.{near[0]}?)" if near else ""))
+        raise ValueError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)} for ckpt mode "
+            f"{mode!r}; valid keys: {', '.join(valid)}"
+        )
+    keys = {k: _plain(v) for k, v in keys.items()}
+    if mode != "none" and "layers" not in keys:
+        keys["layers"] = MISSING
+    return cls(**keys)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (from Hydra) to plain Python, so checks see lists and dicts."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return value
+
+
+def as_keys(config: CkptConfig) -> dict[str, Any]:
+    """The inverse of :func:`make_config`: keyword arguments that rebuild ``config``."""
+    keys = asdict(config)
+    keys.pop("_target_", None)
+    return keys
+
+
+def register_configs() -> None:
+    """Register each mode's schema with Hydra's ConfigStore as ``ckpt/schema_<mode>``.
+
+    The YAML presets in ``configs/ckpt/`` list ``schema_<mode>`` first in their
+    defaults, so Hydra type-checks every override against the dataclass.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for mode, cls in MODES.items():
+        store.store(group="ckpt", name=f"schema_{mode}", node=cls, provider="ckpt_plugin")
+
+
+__all__ = [
+    "FullConfig",
+    "LayerSelection",
+    "MODES",
+    "NoneConfig",
+    "as_keys",
+    "closest_first",
+    "make_config",
+    "raise_problems",
+    "register_configs",
+]
+

@@ -1,0 +1,1 @@
+"""Example models and data used by recipes/train.py, the tests and the benchmarks."""

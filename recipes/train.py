@@ -1,0 +1,35 @@
+"""Train a model with activation checkpointing, configured by Hydra.
+
+    python recipes/train.py                                    # embedded GPT on CPU, TransformerBlocks checkpointed
+    python recipes/train.py ckpt.layers=TransformerBlock ckpt.every_n=2
+    python recipes/train.py model=resnet ckpt.layers=ResStage
+    python recipes/train.py ckpt=none                          # the same run without checkpointing
+
+Configs: configs/ (train.yaml and the groups ckpt, callbacks, model, data, trainer).
+"""
+
+import hydra
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    pl.seed_everything(cfg.seed, workers=True)
+    rank_zero_info(f"Instantiating datamodule <{cfg.data._target_}>")
+    datamodule = instantiate(cfg.data)
+    rank_zero_info(f"Instantiating model <{cfg.model._target_}>")
+    model = instantiate(cfg.model)
+    callbacks = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        rank_zero_info(f"Instantiating callback {name} <{node._target_}>")
+        callbacks.append(instantiate(node))
+    rank_zero_info(f"Instantiating trainer <{cfg.trainer._target_}>")
+    trainer = instantiate(cfg.trainer, callbacks=callbacks)
+    trainer.fit(model, datamodule=datamodule)
+
+
+if __name__ == "__main__":
+    main()
