@@ -1,0 +1,71 @@
+"""Shared pieces: small example models, the recipe as a subprocess, Hydra composition."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from ckpt_plugin.config import register_configs
+from ckpt_plugin.examples.gpt import GPT
+from ckpt_plugin.examples.resnet import ResNet
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+RECIPE = ROOT / "recipes" / "train.py"
+
+# Small enough that a subprocess run of the recipe takes seconds.
+TINY_GPT = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "data.batch_size=4"]
+TINY_RESNET = ["model=resnet", "model.channels=16", "data.image_size=16", "data.batch_size=8"]
+FAST = ["trainer.max_steps=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def small_gpt(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    kwargs = dict(n_layer=4, n_embd=32, n_head=2, block_size=16, dropout=0.1, batch_size=2) | overrides
+    return GPT(**kwargs).to(dtype)
+
+
+def small_resnet(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> ResNet:
+    torch.manual_seed(seed)
+    kwargs = dict(channels=16, depths=(2, 2), image_size=8, dropout=0.1, batch_size=4) | overrides
+    return ResNet(**kwargs).to(dtype)
+
+
+def gpt_batch(model: GPT, batch: int = 2, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    T, V = model.hparams.block_size, model.hparams.vocab_size
+    return torch.randint(V, (batch, T), generator=g), torch.randint(V, (batch, T), generator=g)
+
+
+def resnet_batch(model: ResNet, batch: int = 4, seed: int = 1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    s = model.hparams.image_size
+    return torch.randn(batch, 3, s, s, generator=g).to(dtype), torch.randint(10, (batch,), generator=g)
+
+
+def run_recipe(*overrides: str, tmp_path: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``recipes/train.py`` as a user would, in a subprocess; output dir under ``tmp_path``."""
+    cmd = [sys.executable, str(RECIPE), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def compose_train(*overrides: str):
+    """Compose ``configs/train.yaml`` in-process with Hydra, as the recipe does."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
