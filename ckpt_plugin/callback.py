@@ -60,7 +60,9 @@ class ActivationCheckpointing(pl.Callback):
         args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example) if isinstance(
             example, dict
         ) else ((example,), {})
-        self.report = wrap_report(pl_module, self.wrapped, lambda: pl_module(*args, **kwargs))
+        # Under the precision plugin's context (autocast for bf16-mixed), as training_step runs.
+        with trainer.precision_plugin.forward_context():
+            self.report = wrap_report(pl_module, self.wrapped, lambda: pl_module(*args, **kwargs))
         rank_zero_info(str(self.report))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
