@@ -6,7 +6,7 @@ place under FSDP, DeepSpeed ZeRO-3 or meta-device init) do not exist yet in
 ``setup``. ``on_fit_start`` runs after ``configure_model`` and after the
 strategy has wrapped the model (DDP, FSDP, DeepSpeed), and before the sanity
 check and the first batch, so every layer is there and nothing has run yet.
-``teardown`` unwraps, leaving the module as it was given to ``fit``.
+``teardown`` (or ``on_exception``) unwraps, leaving the module as it was given to ``fit``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class ActivationCheckpointing(pl.Callback):
                 f"{type(pl_module).__name__} to see the activation memory this saves.)"
             )
             return
-        example = move_data_to_device(example, pl_module.device)
+        # As Lightning's loop does with a batch: to the device, then to the precision's dtype (64-true).
+        example = trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device))
         # Lightning's convention (as in ModelSummary): a tuple is *args, a dict **kwargs.
         args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example) if isinstance(
             example, dict
@@ -68,3 +69,7 @@ class ActivationCheckpointing(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             remove_checkpointing(pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips teardown when fit raises; unwrap here so the module is still left as it was given.
+        remove_checkpointing(pl_module)

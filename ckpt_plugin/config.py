@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 CALLBACK_TARGET = "ckpt_plugin.ActivationCheckpointing"
 
@@ -119,18 +119,17 @@ class FullConfig(LayerSelection):
 
 
 @dataclass(kw_only=True)
-class NoneConfig(LayerSelection):
+class NoneConfig(FullConfig):
     """``ckpt=none``: train without checkpointing.
 
-    It keeps the selection keys (unused) so that ``ckpt=none`` can be added to
-    any command line that also sets ``ckpt.layers``, for an A/B comparison.
+    It accepts (and ignores) the keys of every other mode, so that ``ckpt=none``
+    can be added to any command line that sets ``ckpt.*``, for an A/B run.
     """
 
-    _target_: str = CALLBACK_TARGET
     mode: str = "none"
 
     def __post_init__(self) -> None:
-        pass  # nothing is wrapped, so nothing in the selection can be wrong
+        pass  # nothing is wrapped, so no value can be wrong
 
 
 MODES: dict[str, type] = {"full": FullConfig, "none": NoneConfig}
@@ -154,32 +153,26 @@ def make_config(**keys: Any) -> CkptConfig:
         )
     cls = MODES[mode]
     valid = user_keys(cls)
-    unknown = [k for k in keys if k not in valid]
-    if unknown:
-        hints = []
-        for k in unknown:
-            near = difflib.get_close_matches(k, valid, n=1)
-            hints.append(f"ckpt.{k}" + (f" (did you mean ckpt.{near[0]}?)" if near else ""))
-        raise ValueError(
-            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(hints)} for ckpt mode "
-            f"{mode!r}; valid keys: {', '.join(valid)}"
+    problems = []
+    for key in (k for k in keys if k not in valid):
+        near = difflib.get_close_matches(key, valid, n=1)
+        problems.append(
+            f"unknown key ckpt.{key}" + (f" (did you mean ckpt.{near[0]}?)" if near else "")
+            + f" for ckpt mode {mode!r}; valid keys: {', '.join(valid)}"
         )
-    keys = {k: _plain(v) for k, v in keys.items()}
-    if mode != "none" and "layers" not in keys:
-        keys["layers"] = MISSING
-    return cls(**keys)
+    try:
+        config = cls(**{k: _plain(v) for k, v in keys.items() if k in valid})
+    except ValueError as err:  # the values' problems, reported with the keys' problems
+        if not problems:
+            raise
+        problems += [line.removeprefix("  - ") for line in str(err).splitlines() if not line.endswith(":")]
+    raise_problems(problems)
+    return config
 
 
 def _plain(value: Any) -> Any:
     """OmegaConf containers (from Hydra) to plain Python, so checks see lists and dicts."""
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return value
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def as_keys(config: CkptConfig) -> dict[str, Any]:
@@ -190,16 +183,17 @@ def as_keys(config: CkptConfig) -> dict[str, Any]:
 
 
 def register_configs() -> None:
-    """Register each mode's schema with Hydra's ConfigStore as ``ckpt/schema_<mode>``.
+    """Register each mode's schema with Hydra's ConfigStore as ``ckpt_schema/<mode>``.
 
-    The YAML presets in ``configs/ckpt/`` list ``schema_<mode>`` first in their
-    defaults, so Hydra type-checks every override against the dataclass.
+    The YAML presets in ``configs/ckpt/`` list ``/ckpt_schema/<mode>@_here_``
+    first in their defaults, so Hydra type-checks every override against the
+    dataclass. A group of their own keeps the schemas out of ``ckpt=``'s choices.
     """
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     for mode, cls in MODES.items():
-        store.store(group="ckpt", name=f"schema_{mode}", node=cls, provider="ckpt_plugin")
+        store.store(group="ckpt_schema", name=mode, node=cls, provider="ckpt_plugin")
 
 
 __all__ = [

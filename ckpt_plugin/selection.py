@@ -44,6 +44,7 @@ def _shown(names: list[str]) -> str:
 
 
 def _import_class(path: str) -> type | None:
+    """The class at ``path``, or None when it does not import or is not a class."""
     module_path, _, attr = path.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_path), attr)
@@ -52,7 +53,7 @@ def _import_class(path: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _parse(text: str, names: set[str], problems: list[str]) -> _Selector | None:
+def _parse(text: str, names: list[str], problems: list[str]) -> _Selector | None:
     if text.startswith("re:"):
         try:
             pattern = re.compile(text[3:])
@@ -69,8 +70,9 @@ def _parse(text: str, names: set[str], problems: list[str]) -> _Selector | None:
     cls = _import_class(text)
     if cls is None:
         problems.append(
-            f"ckpt.layers: {text!r} is neither a module name in the model nor an importable "
-            "class path (write a class as 'package.module.ClassName')"
+            f"ckpt.layers: {text!r} is neither a module name in the model nor an importable class "
+            f"(write a class as 'package.module.ClassName'); module names, closest first: "
+            f"{_shown(closest_first(text, names))}"
         )
         return None
     return _Selector(text, lambda _n, module: isinstance(module, cls), "class path")
@@ -105,7 +107,7 @@ def select_layers(model: nn.Module, selection: LayerSelection) -> list[str]:
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
     problems: list[str] = []
-    selectors = [s for s in (_parse(t, set(names), problems) for t in selection.layers) if s]
+    selectors = [s for s in (_parse(t, names, problems) for t in selection.layers) if s]
 
     chosen: set[str] = set()
     for sel in selectors:

@@ -1,0 +1,407 @@
+"""Bad input gets a clear error and loses nothing: name the key, the value, the valid choices.
+
+Three levels:
+
+* the Python API (``apply_checkpointing`` / ``make_config``) and the Lightning
+  callback (``ActivationCheckpointing`` validates its keys at construction);
+* "nothing is wrapped half-way": a failing apply leaves the model exactly as
+  it was, wrapped or not;
+* the Hydra command line, by running ``recipes/train.py`` as a subprocess.
+
+Every test matches the real message text, so a message that stops naming the
+key, the value or the choices fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from torch import nn
+
+from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
+from ckpt_plugin.wrapping import CheckpointedForward
+from conftest import FAST, TINY_GPT, run_recipe, small_gpt
+
+GPT_CLASSES = {
+    "CausalSelfAttention", "Dropout", "Embedding", "GPT", "LayerNorm",
+    "Linear", "MLP", "ModuleList", "TransformerBlock",
+}  # fmt: skip
+BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+ATTNS = {"blocks.0.attn", "blocks.1.attn", "blocks.2.attn", "blocks.3.attn"}
+
+
+def listed_after(marker: str, message: str) -> list[str]:
+    """The comma-separated names an error lists after ``marker`` (up to the end of that line)."""
+    line = next(ln for ln in message.splitlines() if marker in ln)
+    tail = line.split(marker, 1)[1]
+    tail = re.sub(r", \.\.\. \(\d+ more\)$", "", tail)
+    return [name.strip() for name in tail.split(",")]
+
+
+def raises_for(match: str, **keys) -> pytest.ExceptionInfo[ValueError]:
+    """``apply_checkpointing(small_gpt(), **keys)`` must raise a ValueError matching ``match``."""
+    with pytest.raises(ValueError, match=match) as info:
+        apply_checkpointing(small_gpt(), **keys)
+    return info
+
+
+def assert_untouched(model: nn.Module) -> None:
+    assert wrapped_modules(model) == []
+    for name, module in model.named_modules():
+        assert "forward" not in module.__dict__, f"{name or '<root>'} has an instance-level forward"
+
+
+# --------------------------------------------------------------------------- #
+# ckpt.layers checked against the model
+# --------------------------------------------------------------------------- #
+
+
+def test_unknown_class_name_lists_class_names_closest_first():
+    info = raises_for(
+        r"^ckpt\.layers: no module of class 'TransformerBlok' in GPT; "
+        r"class names in this model, closest first: TransformerBlock, ",
+        layers="TransformerBlok",
+    )
+    names = listed_after("closest first: ", str(info.value))
+    assert names[0] == "TransformerBlock"  # the closest one is first, explicitly
+    assert set(names) == GPT_CLASSES  # and every class of the model is offered
+
+
+def test_glob_matching_nothing_lists_module_names_closest_first():
+    info = raises_for(
+        r"^ckpt\.layers: the glob 'blocks\.\*\.atn' matches no module name in GPT; "
+        r"module names, closest first: blocks\.\d\.attn, ",
+        layers="blocks.*.atn",
+    )
+    message = str(info.value)
+    names = listed_after("closest first: ", message)
+    assert set(names[:4]) == ATTNS  # the four near misses lead the list
+    assert len(names) == 12 and message.endswith("... (38 more)")  # long lists are cut, with a count
+
+
+def test_regex_matching_nothing_lists_module_names_closest_first():
+    text = r"re:blocks\.[0-9]+\.atn"
+    info = raises_for(
+        "^" + re.escape(f"ckpt.layers: the regex {text!r} matches no module name in GPT; module names, closest first: "),
+        layers=text,
+    )
+    assert set(listed_after("closest first: ", str(info.value))[:4]) == ATTNS
+
+
+def test_invalid_regex_names_entry_and_reason():
+    raises_for(
+        re.escape("ckpt.layers: 're:blocks.([' is not a valid regular expression (unterminated character set"),
+        layers="re:blocks.([",
+    )
+
+
+def test_dotted_path_not_importable_lists_module_names_closest_first():
+    info = raises_for(
+        re.escape(
+            "ckpt.layers: 'no_such_pkg.Block' is neither a module name in the model nor an importable "
+            "class (write a class as 'package.module.ClassName'); module names, closest first: blocks, "
+        ),
+        layers="no_such_pkg.Block",
+    )
+    assert "... (38 more)" in str(info.value)
+
+
+def test_misspelt_module_name_lists_the_real_one_first():
+    raises_for(
+        r"^ckpt\.layers: 'blocks\.0\.atn' is neither a module name in the model nor an importable class "
+        r"\(write a class as 'package\.module\.ClassName'\); module names, closest first: blocks\.0\.attn, ",
+        layers="blocks.0.atn",
+    )
+
+
+def test_dotted_path_to_missing_attribute():
+    raises_for(r"^ckpt\.layers: 'torch\.nn\.Nope' is neither a module name in the model nor an importable class ", layers="torch.nn.Nope")
+
+
+def test_dotted_path_to_a_function_not_a_class():
+    raises_for(
+        r"^ckpt\.layers: 'torch\.nn\.functional\.relu' is neither a module name in the model nor an importable class ",
+        layers="torch.nn.functional.relu",
+    )
+
+
+def test_class_path_with_no_instance_lists_class_names():
+    info = raises_for(
+        r"^ckpt\.layers: no module in GPT is an instance of 'torch\.nn\.Conv2d'; class names in this model: ",
+        layers="torch.nn.Conv2d",
+    )
+    assert set(listed_after("class names in this model: ", str(info.value))) == GPT_CLASSES
+
+
+def test_two_bad_layer_names_reported_together():
+    info = raises_for(r"^2 problems in ckpt\.layers:\n", layers=["TransformerBlok", "Attn"])
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith("  - ckpt.layers: no module of class 'TransformerBlok' in GPT; ")
+    assert lines[2].startswith("  - ckpt.layers: no module of class 'Attn' in GPT; ")
+    assert "closest first: TransformerBlock," in lines[1]
+    assert "closest first: CausalSelfAttention," in lines[2]
+
+
+def test_bad_regex_and_bad_glob_reported_together():
+    info = raises_for(r"^2 problems in ckpt\.layers:\n", layers=["re:(", "blocks.*.atn", "TransformerBlock"])
+    message = str(info.value)
+    assert "  - ckpt.layers: 're:(' is not a valid regular expression" in message
+    assert "  - ckpt.layers: the glob 'blocks.*.atn' matches no module name in GPT" in message
+
+
+def test_every_n_larger_than_matches_keeps_nothing():
+    raises_for(
+        re.escape(
+            "ckpt.every_n=5 keeps none of the 4 matched layers (blocks.0, blocks.1, blocks.2, blocks.3); "
+            "use a value from 1 to 4"
+        ),
+        layers="TransformerBlock",
+        every_n=5,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# the keys themselves (checked before the model is looked at)
+# --------------------------------------------------------------------------- #
+
+
+def test_every_n_zero():
+    raises_for(
+        re.escape("ckpt.every_n=0 must be >= 1: 1 wraps every matched layer, 2 every second one, ..."),
+        layers="TransformerBlock",
+        every_n=0,
+    )
+
+
+def test_every_n_negative():
+    raises_for(r"^ckpt\.every_n=-3 must be >= 1: ", layers="TransformerBlock", every_n=-3)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("2", "'2' (str)"), (1.5, "1.5 (float)"), (True, "True (bool)")],
+    ids=["every_n-str", "every_n-float", "every_n-bool"],
+)
+def test_every_n_wrong_type(value, shown):
+    raises_for(re.escape(f"ckpt.every_n={shown} must be an integer >= 1"), layers="TransformerBlock", every_n=value)
+
+
+def test_layers_missing():
+    raises_for(
+        re.escape(
+            "ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock "
+            "or ckpt.layers=[Block,'blocks.*'] (or choose ckpt=none to switch checkpointing off)"
+        )
+    )
+
+
+def test_layers_empty_list():
+    raises_for(
+        re.escape("ckpt.layers=[] names no layers: give at least one class name or pattern, or choose ckpt=none"),
+        layers=[],
+    )
+
+
+def test_layers_wrong_type():
+    raises_for(
+        re.escape(
+            "ckpt.layers=3 (int) must be a string or a list of strings: class names, dotted class paths, "
+            "module-name globs or 're:' regexes"
+        ),
+        layers=3,
+    )
+
+
+def test_layers_list_with_non_string():
+    raises_for(r"^ckpt\.layers: every entry must be a string, got \[3\]$", layers=["TransformerBlock", 3])
+
+
+def test_layers_list_with_blank_string():
+    raises_for(r"^ckpt\.layers: every entry must be a non-empty string, got ' '$", layers=["TransformerBlock", " "])
+
+
+def test_unknown_key_suggests_the_right_one():
+    raises_for(
+        re.escape(
+            "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; "
+            "valid keys: layers, every_n, preserve_rng_state"
+        ),
+        layer="TransformerBlock",
+    )
+
+
+def test_two_unknown_keys_reported_together_with_a_bad_value():
+    info = raises_for(r"^4 problems in the ckpt config:\n", layer="TransformerBlock", evry_n=2, preserve_rng_state="no")
+    assert str(info.value).splitlines()[1:] == [
+        "  - unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; "
+        "valid keys: layers, every_n, preserve_rng_state",
+        "  - unknown key ckpt.evry_n (did you mean ckpt.every_n?) for ckpt mode 'full'; "
+        "valid keys: layers, every_n, preserve_rng_state",
+        "  - ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock or "
+        "ckpt.layers=[Block,'blocks.*'] (or choose ckpt=none to switch checkpointing off)",
+        "  - ckpt.preserve_rng_state='no' (str) must be true or false",
+    ]
+
+
+def test_unknown_mode_lists_full_first():
+    info = raises_for(
+        re.escape("ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'none'"),
+        mode="fulll",
+        layers="TransformerBlock",
+    )
+    assert listed_after("closest first: ", str(info.value))[0] == "'full'"
+
+
+def test_preserve_rng_state_not_a_bool():
+    raises_for(
+        re.escape("ckpt.preserve_rng_state='yes' (str) must be true or false"),
+        layers="TransformerBlock",
+        preserve_rng_state="yes",
+    )
+
+
+def test_several_key_problems_reported_together():
+    with pytest.raises(ValueError, match=r"^3 problems in the ckpt config:\n") as info:
+        make_config(layers=3, every_n=0, preserve_rng_state="yes")
+    lines = str(info.value).splitlines()[1:]
+    assert [ln.split("=", 1)[0] for ln in lines] == [
+        "  - ckpt.layers",
+        "  - ckpt.every_n",
+        "  - ckpt.preserve_rng_state",
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# the Lightning callback
+# --------------------------------------------------------------------------- #
+
+
+def test_callback_rejects_unknown_key_at_construction():
+    with pytest.raises(ValueError, match=re.escape("unknown key ckpt.layer (did you mean ckpt.layers?)")):
+        ActivationCheckpointing(layer="TransformerBlock")
+
+
+def test_callback_rejects_bad_every_n_at_construction():
+    with pytest.raises(ValueError, match=re.escape("ckpt.every_n=0 must be >= 1")):
+        ActivationCheckpointing(layers="TransformerBlock", every_n=0)
+
+
+def test_callback_rejects_unknown_mode_at_construction():
+    with pytest.raises(ValueError, match=re.escape("ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full'")):
+        ActivationCheckpointing(mode="fulll", layers="TransformerBlock")
+
+
+def test_callback_unknown_layer_at_fit_start_wraps_nothing():
+    # Layer names can only be checked against the model, in on_fit_start.
+    callback = ActivationCheckpointing(layers=["TransformerBlock", "TransformerBlok"])
+    model = small_gpt()
+    with pytest.raises(ValueError, match=r"no module of class 'TransformerBlok' in GPT; class names in this model, closest first: TransformerBlock,"):
+        callback.on_fit_start(None, model)  # raises before the trainer is used
+    assert_untouched(model)
+    assert callback.wrapped == []
+
+
+# --------------------------------------------------------------------------- #
+# nothing is wrapped half-way
+# --------------------------------------------------------------------------- #
+
+
+def test_failed_apply_on_plain_model_wraps_nothing():
+    model = small_gpt()
+    with pytest.raises(ValueError, match=r"no module of class 'Nope' in GPT"):
+        apply_checkpointing(model, layers=["TransformerBlock", "Nope"])
+    assert_untouched(model)
+
+
+def test_failed_every_n_on_plain_model_wraps_nothing():
+    model = small_gpt()
+    with pytest.raises(ValueError, match=r"ckpt\.every_n=5 keeps none of the 4 matched layers"):
+        apply_checkpointing(model, layers="TransformerBlock", every_n=5)
+    assert_untouched(model)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(layers=["blocks.*.attn", "Nope"]),  # fails against the model
+        dict(layers="blocks.*.attn", every_n=9),  # fails after matching
+        dict(layers="blocks.*.attn", every_n=0),  # fails before the model is looked at
+        dict(layers="re:("),  # fails while parsing
+    ],
+    ids=["unknown-layer", "every_n-too-large", "every_n-zero", "invalid-regex"],
+)
+def test_failed_second_apply_keeps_first_wrapping(bad):
+    model = small_gpt()
+    assert apply_checkpointing(model, layers="TransformerBlock") == BLOCKS
+    before = {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+    assert list(before) == BLOCKS and all(isinstance(w, CheckpointedForward) for w in before.values())
+
+    with pytest.raises(ValueError):
+        apply_checkpointing(model, **bad)
+
+    assert wrapped_modules(model) == BLOCKS
+    after = {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+    assert after.keys() == before.keys()
+    assert all(after[n] is before[n] for n in BLOCKS)  # the very same wrappers, not re-made
+
+
+# --------------------------------------------------------------------------- #
+# the Hydra command line (recipes/train.py in a subprocess)
+# --------------------------------------------------------------------------- #
+
+CLI_CASES = {
+    "unknown-preset": "ckpt=fulll",
+    "unknown-key": "ckpt.foo=1",
+    "wrong-type": "ckpt.every_n=two",
+    "unknown-layer": "ckpt.layers=TransformerBlok",
+}
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """Run the four bad command lines at once (each takes seconds, mostly imports)."""
+
+    # Directories made here, in one thread: tmp_path_factory is not thread-safe.
+    dirs = {case: tmp_path_factory.mktemp(case) for case in CLI_CASES}
+
+    def one(case):
+        return case, run_recipe(*TINY_GPT, *FAST, CLI_CASES[case], tmp_path=dirs[case], check=False)
+
+    with ThreadPoolExecutor(len(CLI_CASES)) as pool:
+        return dict(pool.map(one, CLI_CASES))
+
+
+def test_cli_unknown_preset(cli):
+    proc = cli["unknown-preset"]
+    assert proc.returncode != 0
+    assert "Could not find 'ckpt/fulll'" in proc.stderr
+    options = proc.stderr.split("Available options in 'ckpt':", 1)[1].split("Config search path:", 1)[0].split()
+    assert "full" in options and "none" in options
+
+
+def test_cli_unknown_key(cli):
+    proc = cli["unknown-key"]
+    assert proc.returncode != 0
+    assert "Could not override 'ckpt.foo'." in proc.stderr
+    assert "full_key: ckpt.foo" in proc.stderr
+
+
+def test_cli_wrong_type(cli):
+    proc = cli["wrong-type"]
+    assert proc.returncode != 0
+    assert "Error merging override ckpt.every_n=two" in proc.stderr
+    assert "Value 'two' of type 'str' could not be converted to Integer" in proc.stderr
+    assert "full_key: ckpt.every_n" in proc.stderr
+
+
+def test_cli_unknown_layer(cli):
+    proc = cli["unknown-layer"]
+    assert proc.returncode != 0
+    assert (
+        "ValueError: ckpt.layers: no module of class 'TransformerBlok' in GPT; "
+        "class names in this model, closest first: TransformerBlock, "
+    ) in proc.stderr
+    assert "Trainer.fit` stopped" not in proc.stdout + proc.stderr  # it never trained
