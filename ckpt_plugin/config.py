@@ -42,14 +42,15 @@ class LayerSelection:
 
     # Class names ("TransformerBlock"), dotted class paths ("pkg.mod.Block"),
     # module-name globs ("blocks.*") or regexes ("re:blocks\.[0-9]+"); a string or a list.
-    layers: Any = MISSING
+    # Required; None (YAML null) until the user names them, so our message, not Hydra's, says so.
+    layers: Any = None
     # Wrap every n-th matched layer (the n-th, 2n-th, ...): 1 wraps all of them.
     every_n: int = 1
 
     def _problems(self) -> list[str]:
         problems = []
         layers = self.layers
-        if layers == MISSING:
+        if layers is None or layers == MISSING:
             problems.append(
                 "ckpt.layers is required: name the modules to checkpoint, e.g. "
                 "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'] "

@@ -370,5 +370,5 @@ def test_user_app_without_layers_names_ckpt_layers(runs: Runs) -> None:
     text = _output(proc)
     assert proc.returncode != 0, text
     assert FIT_DONE not in text
-    # OmegaConf refuses the preset's `layers: ???` when Hydra instantiates the callback
-    assert "Missing mandatory value: ckpt.layers" in proc.stderr, proc.stderr
+    # The callback refuses the preset's `layers: null` when Hydra instantiates it, with our message
+    assert "ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock" in proc.stderr, proc.stderr
