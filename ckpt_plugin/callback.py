@@ -22,6 +22,16 @@ from .report import WrapReport, wrap_report
 from .wrapping import apply_config, remove_checkpointing
 
 
+def _call_args(example: Any) -> tuple[tuple, dict]:
+    """Lightning's convention for ``example_input_array`` (as in ModelSummary): a tuple is
+    the positional arguments, a dict the keyword arguments, anything else the one argument."""
+    if isinstance(example, tuple):
+        return example, {}
+    if isinstance(example, dict):
+        return (), example
+    return (example,), {}
+
+
 class ActivationCheckpointing(pl.Callback):
     """Checkpoint the layers named by the keys of the ``ckpt`` config node.
 
@@ -57,10 +67,7 @@ class ActivationCheckpointing(pl.Callback):
             return
         # As Lightning's loop does with a batch: to the device, then to the precision's dtype (64-true).
         example = trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device))
-        # Lightning's convention (as in ModelSummary): a tuple is *args, a dict **kwargs.
-        args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example) if isinstance(
-            example, dict
-        ) else ((example,), {})
+        args, kwargs = _call_args(example)
         # Under the precision plugin's context (autocast for bf16-mixed), as training_step runs.
         with trainer.precision_plugin.forward_context():
             self.report = wrap_report(pl_module, self.wrapped, lambda: pl_module(*args, **kwargs))
