@@ -37,3 +37,28 @@ class CategoryPeakTracker(MemTracker):
                 name = getattr(key, "name", str(key)).lower()
                 if value > self.category_peaks.get(name, 0):
                     self.category_peaks[name] = value
+
+
+def open_region(fn: Any, preserve_rng_state: bool, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Start a non-reentrant checkpoint region that later code (not one call) runs inside.
+
+    torch's composable ``checkpoint`` opens its region in a forward pre-hook and
+    closes it in a forward hook with this private generator; we do the same
+    for regions spanning several layers. ``fn(*args, **kwargs)`` is what
+    recomputation runs. Close with :func:`close_region` (or ``gen.close()`` on error).
+    """
+    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator  # private
+
+    gen = _checkpoint_without_reentrant_generator(
+        fn, preserve_rng_state, context_fn, "default", False, True, *args, **kwargs
+    )
+    next(gen)
+    return gen
+
+
+def close_region(gen: Any) -> None:
+    try:
+        next(gen)
+    except StopIteration:
+        return
+    raise AssertionError("a checkpoint region generator yielded twice")

@@ -114,13 +114,64 @@ class FullConfig(LayerSelection):
     mode: str = "full"
     # Replay the forward's RNG state on recompute so dropout masks match (torch's default).
     preserve_rng_state: bool = True
+    # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain.
+    segments: Any = None
+    # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
+    offload: bool = False
 
     def __post_init__(self) -> None:
-        raise_problems(self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state))
+        from .sequential import segment_problems
+
+        raise_problems(
+            self._problems()
+            + _check_bool("preserve_rng_state", self.preserve_rng_state)
+            + segment_problems(self.segments)
+            + _check_bool("offload", self.offload)
+        )
 
 
 @dataclass(kw_only=True)
-class NoneConfig(FullConfig):
+class SelectiveConfig(LayerSelection):
+    """``ckpt=selective``: save the outputs of chosen ops, recompute the rest (torch's SAC)."""
+
+    _target_: str = CALLBACK_TARGET
+    mode: str = "selective"
+    # 'matmuls', 'matmuls_no_batch', 'names', or a list of aten op names ([aten.mm, aten.addmm]).
+    policy: Any = "matmuls"
+    # With policy=names: save exactly the checkpoint_name tensors named here ...
+    save_names: Any = None
+    # ... or every named tensor except these.
+    exclude_names: Any = None
+    preserve_rng_state: bool = True
+    segments: Any = None
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        from .policies import make_policy
+        from .sequential import segment_problems
+
+        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
+        problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
+        try:
+            make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
+        except ValueError as err:
+            problems.append(str(err))
+        raise_problems(problems)
+
+
+@dataclass(kw_only=True)
+class OffloadConfig(LayerSelection):
+    """``ckpt=offload``: no recompute; what the selected layers save lives in CPU memory."""
+
+    _target_: str = CALLBACK_TARGET
+    mode: str = "offload"
+
+    def __post_init__(self) -> None:
+        raise_problems(self._problems())
+
+
+@dataclass(kw_only=True)
+class NoneConfig(SelectiveConfig):
     """``ckpt=none``: train without checkpointing.
 
     It accepts (and ignores) the keys of every other mode, so that ``ckpt=none``
@@ -133,9 +184,14 @@ class NoneConfig(FullConfig):
         pass  # nothing is wrapped, so no value can be wrong
 
 
-MODES: dict[str, type] = {"full": FullConfig, "none": NoneConfig}
+MODES: dict[str, type] = {
+    "full": FullConfig,
+    "selective": SelectiveConfig,
+    "offload": OffloadConfig,
+    "none": NoneConfig,
+}
 
-CkptConfig = FullConfig | NoneConfig
+CkptConfig = FullConfig | SelectiveConfig | OffloadConfig | NoneConfig
 
 
 def user_keys(cls: type) -> list[str]:
@@ -199,6 +255,8 @@ def register_configs() -> None:
 
 __all__ = [
     "FullConfig",
+    "OffloadConfig",
+    "SelectiveConfig",
     "LayerSelection",
     "MODES",
     "NoneConfig",

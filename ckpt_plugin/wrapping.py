@@ -23,38 +23,15 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import CkptConfig, make_config
+from .chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
+from .config import CkptConfig, make_config, raise_problems
+from .norms import running_stats
 from .selection import select_layers
-
-# Buffers that a forward in training mode updates in place (BatchNorm,
-# InstanceNorm with track_running_stats, SyncBatchNorm, and look-alikes).
-_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def _running_stats(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    return [
-        (m, name)
-        for m in module.modules()
-        for name in _RUNNING_STATS
-        if isinstance(getattr(m, name, None), torch.Tensor)
-    ]
-
-
-@contextlib.contextmanager
-def _keep_running_stats(stats: list[tuple[nn.Module, str]]) -> Iterator[None]:
-    """Undo whatever the recomputation writes into running-statistics buffers."""
-    saved = [(m, name, getattr(m, name).clone()) for m, name in stats if m.training]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, name, value in saved:
-                getattr(m, name).copy_(value)
-
+from .sequential import schedule
+from .treatment import Treatment
 
 class CheckpointedForward:
     """The instance-level ``forward`` of a wrapped module.
@@ -63,32 +40,33 @@ class CheckpointedForward:
     instance-level one somebody else set, which ``remove`` puts back).
     """
 
-    __slots__ = ("inner", "previous", "preserve_rng_state", "_stats")
+    __slots__ = ("inner", "previous", "treatment", "_context_fn")
 
-    def __init__(self, module: nn.Module, preserve_rng_state: bool) -> None:
+    def __init__(self, module: nn.Module, treatment: Treatment) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
-        self.preserve_rng_state = preserve_rng_state
-        self._stats = _running_stats(module)
-
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return contextlib.nullcontext(), _keep_running_stats(self._stats)
+        self.treatment = treatment
+        self._context_fn = treatment.context_fn(running_stats(module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # kwargs travel in a partial so that a forward argument can never
-        # collide with checkpoint's own keywords (``context_fn``, ...).
-        fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
-        options: dict[str, Any] = {}
-        if self._stats:
-            options["context_fn"] = self._contexts
-        return checkpoint(
-            fn, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **options
-        )
+        t = self.treatment
+        with t.offloading():  # outside checkpoint: offloads what checkpointing still keeps
+            if not t.checkpointing:
+                return self.inner(*args, **kwargs)
+            # kwargs travel in a partial so that a forward argument can never
+            # collide with checkpoint's own keywords (``context_fn``, ...).
+            fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
+            options = {"context_fn": self._context_fn} if self._context_fn else {}
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 
 
 def wrapped_modules(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` that this plugin has wrapped."""
-    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m.__dict__.get("forward"), CheckpointedForward) or ATTR in m.__dict__
+    ]
 
 
 def remove_checkpointing(model: nn.Module) -> list[str]:
@@ -97,15 +75,16 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     Returns the qualified names that were unwrapped. Safe on a model that was
     never wrapped.
     """
-    removed = []
-    for name, module in model.named_modules():
+    removed = wrapped_modules(model)
+    for chain in chains_of(model):
+        chain.remove()
+    for module in model.modules():
         wrapper = module.__dict__.get("forward")
         if isinstance(wrapper, CheckpointedForward):
             if wrapper.previous is None:
                 del module.__dict__["forward"]
             else:
                 module.__dict__["forward"] = wrapper.previous
-            removed.append(name)
     return removed
 
 
@@ -117,11 +96,24 @@ def apply_config(model: nn.Module, config: CkptConfig) -> list[str]:
     # Check everything against the model before touching it: an error leaves
     # the model exactly as it was (wrapped or not).
     names = select_layers(model, config)
+    segments = getattr(config, "segments", None)
+    if segments is not None:
+        if config.every_n != 1:
+            raise ValueError(
+                f"ckpt.segments={segments} cannot be combined with ckpt.every_n={config.every_n}: "
+                "segments group consecutive layers; drop one of the two"
+            )
+        raise_problems(check_consecutive(model, names), "ckpt.segments")
+        schedule(len(names), segments)  # raises if segments > len(names)
+    treatment = Treatment.of(config)
     remove_checkpointing(model)
     modules = dict(model.named_modules())
-    for name in names:
-        module = modules[name]
-        module.__dict__["forward"] = CheckpointedForward(module, config.preserve_rng_state)
+    if segments is not None:
+        ChainCheckpoint(names, [modules[n] for n in names], segments, treatment)
+    else:
+        for name in names:
+            module = modules[name]
+            module.__dict__["forward"] = CheckpointedForward(module, treatment)
     return names
 
 
@@ -145,9 +137,13 @@ def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
         for m in model.modules()
         if isinstance(m.__dict__.get("forward"), CheckpointedForward)
     }
-    remove_checkpointing(model)
-    try:
-        yield
-    finally:
-        for m, wrapper in wrappers.items():
-            m.__dict__["forward"] = wrapper
+    for m in wrappers:
+        del m.__dict__["forward"]
+    with contextlib.ExitStack() as stack:
+        for chain in chains_of(model):
+            stack.enter_context(chain.paused())
+        try:
+            yield
+        finally:
+            for m, wrapper in wrappers.items():
+                m.__dict__["forward"] = wrapper

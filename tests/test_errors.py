@@ -237,9 +237,9 @@ def test_two_unknown_keys_reported_together_with_a_bad_value():
     info = raises_for(r"^4 problems in the ckpt config:\n", layer="TransformerBlock", evry_n=2, preserve_rng_state="no")
     assert str(info.value).splitlines()[1:] == [
         "  - unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; "
-        "valid keys: layers, every_n, preserve_rng_state",
+        "valid keys: layers, every_n, preserve_rng_state, segments, offload",
         "  - unknown key ckpt.evry_n (did you mean ckpt.every_n?) for ckpt mode 'full'; "
-        "valid keys: layers, every_n, preserve_rng_state",
+        "valid keys: layers, every_n, preserve_rng_state, segments, offload",
         "  - ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock or "
         "ckpt.layers=[Block,'blocks.*'] (or choose ckpt=none to switch checkpointing off)",
         "  - ckpt.preserve_rng_state='no' (str) must be true or false",
@@ -248,7 +248,7 @@ def test_two_unknown_keys_reported_together_with_a_bad_value():
 
 def test_unknown_mode_lists_full_first():
     info = raises_for(
-        re.escape("ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'none'"),
+        re.escape("ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'offload', 'selective', 'none'"),
         mode="fulll",
         layers="TransformerBlock",
     )
