@@ -4,17 +4,30 @@
 """
 
 from .callback import ActivationCheckpointing
-from .config import FullConfig, NoneConfig, make_config
+from .config import FullConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
+from .functional import checkpoint
+from .offload import offloading
+from .policies import checkpoint_name, make_policy
 from .report import WrapReport
+from .scan import checkpoint_scan
+from .sequential import checkpoint_sequential
 from .wrapping import apply_checkpointing, remove_checkpointing, wrapped_modules
 
 __all__ = [
     "ActivationCheckpointing",
     "FullConfig",
     "NoneConfig",
+    "OffloadConfig",
+    "SelectiveConfig",
     "WrapReport",
     "apply_checkpointing",
+    "checkpoint",
+    "checkpoint_name",
+    "checkpoint_scan",
+    "checkpoint_sequential",
     "make_config",
+    "make_policy",
+    "offloading",
     "remove_checkpointing",
     "wrapped_modules",
 ]

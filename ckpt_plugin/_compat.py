@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
+from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in a private module
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -62,3 +63,28 @@ def close_region(gen: Any) -> None:
     except StopIteration:
         return
     raise AssertionError("a checkpoint region generator yielded twice")
+
+
+# -- for selective checkpointing's dispatch modes (policies.py) --
+
+def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks``, or None (no public getter)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def version(t: torch.Tensor) -> int:
+    """The in-place write counter autograd checks saved tensors against."""
+    return t._version
+
+
+def is_mutable(op: Any) -> bool:
+    """In-place and ``out=`` overloads write into an argument."""
+    return op._schema.is_mutable
+
+
+def argument(op: Any, args: tuple, kwargs: dict, name: str, missing: Any = None) -> Any:
+    """Argument ``name`` of one call of ``op`` (its schema default if not passed; ``missing`` if none)."""
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, arg.default_value)
+    return missing

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from .config import as_keys, make_config
 from .report import WrapReport, wrap_report
-from .wrapping import apply_config, remove_checkpointing
+from .wrapping import apply_config, policy_of, remove_checkpointing
 
 
 def _call_args(example: Any) -> tuple[tuple, dict]:
@@ -47,6 +47,7 @@ class ActivationCheckpointing(pl.Callback):
         self.config = make_config(**ckpt_keys)
         self.wrapped: list[str] = []  # qualified names wrapped in the current fit
         self.report: WrapReport | None = None
+        self._policy: Any = None  # the selective policy until its names are checked
 
     @property
     def state_key(self) -> str:
@@ -57,6 +58,7 @@ class ActivationCheckpointing(pl.Callback):
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
         self.wrapped = apply_config(pl_module, self.config)
+        self._policy = policy_of(pl_module)
         example = pl_module.example_input_array
         if example is None:
             rank_zero_info(
@@ -72,6 +74,16 @@ class ActivationCheckpointing(pl.Callback):
         with trainer.precision_plugin.forward_context():
             self.report = wrap_report(pl_module, self.wrapped, lambda: pl_module(*args, **kwargs))
         rank_zero_info(str(self.report))
+        self._check_names()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._check_names()  # without example_input_array, the first step is the first forward
+
+    def _check_names(self) -> None:
+        """ckpt.save_names/exclude_names that no checkpoint_name used: an error once a forward has run."""
+        if self._policy is not None and self._policy.uses_names:
+            policy, self._policy = self._policy, None  # checked once per fit
+            policy.check_names()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

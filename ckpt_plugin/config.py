@@ -26,10 +26,10 @@ CALLBACK_TARGET = "ckpt_plugin.ActivationCheckpointing"
 def closest_first(name: str, choices: Iterable[str]) -> list[str]:
     """``choices`` sorted so the ones most like ``name`` come first (then alphabetical)."""
     choices = sorted(set(choices))
-    close = difflib.get_close_matches(name, choices, n=len(choices), cutoff=0.0)
     lowered = name.lower()
-    # Substring hits ("block" -> "TransformerBlock") beat edit-distance ranking.
-    return sorted(close, key=lambda c: (lowered not in c.lower(), close.index(c)))
+    score = {c: difflib.SequenceMatcher(None, name, c).ratio() for c in choices}
+    # Substring hits ("block" -> "TransformerBlock") beat edit-distance ranking; ties stay alphabetical.
+    return sorted(choices, key=lambda c: (lowered not in c.lower(), -score[c]))
 
 
 def _quote_all(items: Iterable[str]) -> str:

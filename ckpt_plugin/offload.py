@@ -52,6 +52,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef  # what torch.utils.checkpoint keys storages by
 
+from ._compat import outer_saved_tensors_hooks
+
 __all__ = ["OffloadStats", "Offloading", "offloading", "should_move"]
 
 NOTHING_TO_MOVE = "ckpt.offload: the saved activations are already in CPU memory; there is nothing to move"
@@ -143,10 +145,14 @@ class Offloading(saved_tensors_hooks):
         self.stats = OffloadStats()  # of the last use; a fresh one on every `with`
         self._copies: dict[tuple[StorageWeakRef, int], _HostCopy] = {}  # (storage, version) -> copy
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._outer: tuple[Any, Any] | None = None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> Offloading:
         self.stats = OffloadStats()
+        # What we keep on the device still goes through the hooks around us, so
+        # outer measurements (measure.saved_bytes) see it as autograd would.
+        self._outer = outer_saved_tensors_hooks()
         super().__enter__()
         return self
 
@@ -167,10 +173,10 @@ class Offloading(saved_tensors_hooks):
     def _pack(self, t: torch.Tensor) -> _Packed:
         if not should_move(t, self.min_bytes):
             self.stats.kept_on_device += 1
-            return t
+            return self._keep(t)
         if t.device.type in self._in_host_memory:
             self.stats.already_on_cpu += 1
-            return t
+            return self._keep(t)
         key = (StorageWeakRef(t.untyped_storage()), t._version)
         copy = self._copies.get(key)
         if copy is None:
@@ -179,12 +185,24 @@ class Offloading(saved_tensors_hooks):
             self.stats.moved_storages += 1
         return copy, t.dtype, t.storage_offset(), t.size(), t.stride()
 
-    @staticmethod
-    def _unpack(packed: _Packed) -> torch.Tensor:
+    def _keep(self, t: torch.Tensor) -> Any:
+        return t if self._outer is None else _Outer(self._outer[0](t), self._outer[1])
+
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
         copy, *layout = packed
         return copy.restore(*layout)
+
+
+@dataclass
+class _Outer:
+    """A tensor kept on its device, packed by the hooks that were active around ours."""
+
+    packed: Any
+    unpack: Any
 
 
 def offloading(*, min_bytes: int = 1024) -> Offloading:

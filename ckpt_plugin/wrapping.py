@@ -69,6 +69,13 @@ def wrapped_modules(model: nn.Module) -> list[str]:
     ]
 
 
+def policy_of(model: nn.Module) -> Any:
+    """The selective policy the wrapped modules of ``model`` share, or None."""
+    treatments = [m.__dict__["forward"].treatment for m in model.modules() if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    treatments += [chain.treatment for chain in chains_of(model)]
+    return next((t.policy for t in treatments if t.policy is not None), None)
+
+
 def remove_checkpointing(model: nn.Module) -> list[str]:
     """Undo :func:`apply_checkpointing`: every wrapped module gets its forward back.
 

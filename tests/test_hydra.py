@@ -28,6 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ckpt_plugin import ActivationCheckpointing
+from ckpt_plugin.config import MODES
 from ckpt_plugin.examples.data import ImageData, TextData
 from ckpt_plugin.examples.gpt import GPT
 from ckpt_plugin.examples.resnet import ResNet
@@ -262,7 +263,20 @@ def test_ckpt_preset_instantiates_the_callback(name: str) -> None:
     cfg = compose_train(f"ckpt={name}")
     callback = instantiate(cfg.callbacks.activation_checkpointing)
     assert isinstance(callback, ActivationCheckpointing)
-    assert callback.config.mode == name
+    # A preset named after a mode selects it; the others refine one (names -> selective, ...).
+    assert callback.config.mode == PRESET_MODES.get(name, name)
+    assert callback.config.mode in MODES
+
+
+# The presets that are not a mode's own file, and what each must set beyond its mode.
+PRESET_MODES = {"names": "selective", "segments": "full", "recursive": "full"}
+
+
+def test_refining_presets_set_their_keys() -> None:
+    names = instantiate(compose_train("ckpt=names").callbacks.activation_checkpointing).config
+    assert (names.policy, list(names.save_names)) == ("names", ["attn_out"])
+    assert instantiate(compose_train("ckpt=segments").callbacks.activation_checkpointing).config.segments == "sqrt"
+    assert instantiate(compose_train("ckpt=recursive").callbacks.activation_checkpointing).config.segments == "recursive"
 
 
 MODEL_CLASSES = {"gpt": (GPT, TextData), "resnet": (ResNet, ImageData)}

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_plugin.policies import checkpoint_name
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
@@ -48,7 +50,7 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.drop(self.proj(checkpoint_name(F.gelu(self.fc(x)), "mlp_hidden")))
 
 
 class TransformerBlock(nn.Module):
@@ -62,7 +64,8 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(n_embd, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+        # Tags for ckpt=names (JAX checkpoint_name): identity unless a names policy is active.
+        x = x + checkpoint_name(self.attn(self.ln1(x)), "attn_out")
         return x + self.mlp(self.ln2(x))
 
 
