@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 
 from .config import as_keys, make_config
+from .measure import SavedCounter
 from .report import WrapReport, wrap_report
 from .wrapping import apply_config, policy_of, remove_checkpointing
 
@@ -48,6 +50,8 @@ class ActivationCheckpointing(pl.Callback):
         self.wrapped: list[str] = []  # qualified names wrapped in the current fit
         self.report: WrapReport | None = None
         self._policy: Any = None  # the selective policy until its names are checked
+        self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
+        self._counting: Any = None  # its hooks, between batch start and backward
 
     @property
     def state_key(self) -> str:
@@ -76,8 +80,37 @@ class ActivationCheckpointing(pl.Callback):
         rank_zero_info(str(self.report))
         self._check_names()
 
+    # -- per-step metrics, on the steps Lightning logs (trainer.log_every_n_steps) --------------
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.wrapped or trainer.global_step % max(trainer.log_every_n_steps, 1):
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._counter = SavedCounter(pl_module)
+        self._counting = self._counter.hooks()
+        self._counting.__enter__()  # left in on_before_backward: counts what the forward saves
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._stop_counting()
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._check_names()  # without example_input_array, the first step is the first forward
+        self._stop_counting()
+        if self._counter is None:
+            return
+        metrics = {"ckpt/saved_activation_bytes": float(self._counter.result.total)}
+        if self.report is not None:
+            metrics["ckpt/bytes_saved_by_checkpointing"] = float(self.report.without.total - self.report.with_ckpt.total)
+        if pl_module.device.type == "cuda":
+            metrics["ckpt/cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(pl_module.device))
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self._counter = None
+
+    def _stop_counting(self) -> None:
+        if self._counting is not None:
+            self._counting.__exit__(None, None, None)
+            self._counting = None
 
     def _check_names(self) -> None:
         """ckpt.save_names/exclude_names that no checkpoint_name used: an error once a forward has run."""
@@ -91,4 +124,5 @@ class ActivationCheckpointing(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips teardown when fit raises; unwrap here so the module is still left as it was given.
+        self._stop_counting()
         remove_checkpointing(pl_module)

@@ -36,7 +36,7 @@ class SavedBytes:
         return sum(self.by_owner.values())
 
 
-class _Counter:
+class SavedCounter:
     """Counts each storage once, under the owner active when it was first seen."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -57,6 +57,14 @@ class _Counter:
         self.add(t)
         return t
 
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks that count what autograd saves and change nothing."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _same)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
 
 def saved_bytes(model: nn.Module, run: Callable[[], Any], owners: list[str]) -> SavedBytes:
     """Run ``run()`` (a forward of ``model``) and count what autograd keeps for backward.
@@ -66,7 +74,7 @@ def saved_bytes(model: nn.Module, run: Callable[[], Any], owners: list[str]) -> 
     saves nothing itself, but holds its inputs for recomputation: those count
     too, under its name. The forward's output is dropped before returning.
     """
-    counter = _Counter(model)
+    counter = SavedCounter(model)
     modules = dict(model.named_modules())
     wrapped = {name for name in owners if "forward" in modules[name].__dict__}
     handles = []
@@ -86,7 +94,7 @@ def saved_bytes(model: nn.Module, run: Callable[[], Any], owners: list[str]) -> 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        with torch.enable_grad(), counter.hooks():
             run()
     finally:
         for h in handles:

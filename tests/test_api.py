@@ -146,3 +146,23 @@ def test_callback_reports_what_it_saved(tmp_path: Path) -> None:
         assert report.without.by_owner[name] > 10 * B * T * C * 4
     assert report.with_ckpt.total < report.without.total
     assert "Activation checkpointing wrapped 4 module(s) of GPT" in str(report)
+
+
+def test_callback_logs_saved_bytes_each_logged_step(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = small_gpt()
+    callback = ActivationCheckpointing(layers="TransformerBlock")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[callback], logger=CSVLogger(tmp_path), default_root_dir=tmp_path,
+    )
+    trainer.fit(model, _loader(model))
+    metrics = trainer.logged_metrics
+    # A training step keeps the block inputs and what lies outside the blocks (incl. the loss's).
+    B, T, C = 2, 16, 32
+    saved = metrics["ckpt/saved_activation_bytes"].item()
+    assert 4 * B * T * C * 4 < saved < callback.report.without.total
+    assert metrics["ckpt/bytes_saved_by_checkpointing"].item() == callback.report.without.total - callback.report.with_ckpt.total
+    rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
+    assert rows[0].count("ckpt/saved_activation_bytes") == 1 and len(rows) == 3  # header + one row per step
