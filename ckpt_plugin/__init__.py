@@ -9,6 +9,7 @@ from .functional import checkpoint
 from .offload import offloading
 from .policies import checkpoint_name, make_policy
 from .report import WrapReport
+from .residuals import SavedActivations, saved_activations
 from .scan import checkpoint_scan
 from .sequential import checkpoint_sequential
 from .wrapping import apply_checkpointing, remove_checkpointing, wrapped_modules
@@ -18,6 +19,7 @@ __all__ = [
     "FullConfig",
     "NoneConfig",
     "OffloadConfig",
+    "SavedActivations",
     "SelectiveConfig",
     "WrapReport",
     "apply_checkpointing",
@@ -29,5 +31,6 @@ __all__ = [
     "make_policy",
     "offloading",
     "remove_checkpointing",
+    "saved_activations",
     "wrapped_modules",
 ]

@@ -5,9 +5,11 @@ If a torch release moves one of these, this file is the only one to change.
 
 from __future__ import annotations
 
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
 from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in a private module
 
@@ -88,3 +90,27 @@ def argument(op: Any, args: tuple, kwargs: dict, name: str, missing: Any = None)
         if arg.name == name:
             return args[i] if i < len(args) else kwargs.get(name, arg.default_value)
     return missing
+
+
+# -- for saved_activations' row sources (residuals.py) --
+
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+
+
+def checkpointed_fn(frame: FrameType | None) -> Any:
+    """The ``fn`` of the non-reentrant checkpoint that is saving its inputs right now, or None.
+
+    torch saves a region's inputs from inside ``_checkpoint_without_reentrant_generator``
+    (``_CheckpointFrame.save_inputs`` in torch 2.13, ``NoopSaveInputs`` in older
+    releases), which is on the call stack only then: while the region runs, the
+    generator is suspended at its ``yield``. Private torch internals: if they
+    move, those rows fall back to the op that produced the input.
+    """
+    for _ in range(10):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "_checkpoint_without_reentrant_generator" and code.co_filename == _CHECKPOINT_FILE:
+            return frame.f_locals.get("fn")
+        frame = frame.f_back
+    return None
