@@ -11,6 +11,7 @@ check and the first batch, so every layer is there and nothing has run yet.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,17 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import as_keys, make_config
 from .measure import SavedCounter
 from .report import WrapReport, wrap_report
-from .wrapping import apply_config, policy_of, remove_checkpointing
-
-
-def _call_args(example: Any) -> tuple[tuple, dict]:
-    """Lightning's convention for ``example_input_array`` (as in ModelSummary): a tuple is
-    the positional arguments, a dict the keyword arguments, anything else the one argument."""
-    if isinstance(example, tuple):
-        return example, {}
-    if isinstance(example, dict):
-        return (), example
-    return (example,), {}
+from .wrapping import apply_config, call_args, policy_of, remove_checkpointing
 
 
 class ActivationCheckpointing(pl.Callback):
@@ -61,24 +52,35 @@ class ActivationCheckpointing(pl.Callback):
         if self.config.mode == "none":
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
-        self.wrapped = apply_config(pl_module, self.config)
+        forward = self._example_forward(trainer, pl_module)
+        self.wrapped = apply_config(pl_module, self.config, forward)
         self._policy = policy_of(pl_module)
-        example = pl_module.example_input_array
-        if example is None:
+        if forward is None:
             rank_zero_info(
                 f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
                 f"{', '.join(self.wrapped)}. (Set `example_input_array` on "
                 f"{type(pl_module).__name__} to see the activation memory this saves.)"
             )
             return
-        # As Lightning's loop does with a batch: to the device, then to the precision's dtype (64-true).
-        example = trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device))
-        args, kwargs = _call_args(example)
-        # Under the precision plugin's context (autocast for bf16-mixed), as training_step runs.
-        with trainer.precision_plugin.forward_context():
-            self.report = wrap_report(pl_module, self.wrapped, lambda: pl_module(*args, **kwargs))
+        self.report = wrap_report(pl_module, self.wrapped, forward)
         rank_zero_info(str(self.report))
         self._check_names()
+
+    @staticmethod
+    def _example_forward(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[], Any] | None:
+        """A forward of ``example_input_array`` prepared as Lightning prepares a batch, or None."""
+        example = pl_module.example_input_array
+        if example is None:
+            return None
+        # To the device, then to the precision's dtype (64-true), as the loop does with a batch.
+        example = trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device))
+        args, kwargs = call_args(example)
+
+        def forward() -> Any:
+            with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step
+                return pl_module(*args, **kwargs)
+
+        return forward
 
     # -- per-step metrics, on the steps Lightning logs (trainer.log_every_n_steps) --------------
 

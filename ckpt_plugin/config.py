@@ -171,6 +171,27 @@ class OffloadConfig(LayerSelection):
 
 
 @dataclass(kw_only=True)
+class AutoConfig(LayerSelection):
+    """``ckpt=auto``: per layer keep, selective or full, the least recompute that fits a budget."""
+
+    _target_: str = CALLBACK_TARGET
+    mode: str = "auto"
+    # A fraction of the activation peak without checkpointing (0.4) or a size (2GiB). Required.
+    budget: Any = None
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        from .auto import parse_budget
+
+        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
+        try:
+            parse_budget(self.budget)
+        except ValueError as err:
+            problems.append(str(err))
+        raise_problems(problems)
+
+
+@dataclass(kw_only=True)
 class NoneConfig(SelectiveConfig):
     """``ckpt=none``: train without checkpointing.
 
@@ -179,6 +200,7 @@ class NoneConfig(SelectiveConfig):
     """
 
     mode: str = "none"
+    budget: Any = None
 
     def __post_init__(self) -> None:
         pass  # nothing is wrapped, so no value can be wrong
@@ -188,10 +210,11 @@ MODES: dict[str, type] = {
     "full": FullConfig,
     "selective": SelectiveConfig,
     "offload": OffloadConfig,
+    "auto": AutoConfig,
     "none": NoneConfig,
 }
 
-CkptConfig = FullConfig | SelectiveConfig | OffloadConfig | NoneConfig
+CkptConfig = FullConfig | SelectiveConfig | OffloadConfig | AutoConfig | NoneConfig
 
 
 def user_keys(cls: type) -> list[str]:
@@ -254,6 +277,7 @@ def register_configs() -> None:
 
 
 __all__ = [
+    "AutoConfig",
     "FullConfig",
     "OffloadConfig",
     "SelectiveConfig",

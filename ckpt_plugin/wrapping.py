@@ -23,7 +23,10 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from .chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
@@ -95,11 +98,17 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     return removed
 
 
-def apply_config(model: nn.Module, config: CkptConfig) -> list[str]:
-    """Wrap the modules ``config`` selects; see :func:`apply_checkpointing`."""
+def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> list[str]:
+    """Wrap the modules ``config`` selects; see :func:`apply_checkpointing`.
+
+    ``forward()`` runs the model on a sample input (``ckpt=auto`` profiles with
+    it); by default ``model(model.example_input_array)``.
+    """
     if config.mode == "none":
         remove_checkpointing(model)
         return []
+    if config.mode == "auto":
+        return _apply_auto(model, config, forward or _example_forward(model))
     # Check everything against the model before touching it: an error leaves
     # the model exactly as it was (wrapped or not).
     names = select_layers(model, config)
@@ -122,6 +131,45 @@ def apply_config(model: nn.Module, config: CkptConfig) -> list[str]:
             module = modules[name]
             module.__dict__["forward"] = CheckpointedForward(module, treatment)
     return names
+
+
+def _apply_auto(model: nn.Module, config: CkptConfig, forward: Callable[[], Any]) -> list[str]:
+    from .auto import apply_plan, parse_budget, profile, resolve
+
+    names = select_layers(model, config)
+    measured = profile(model, names, lambda: _scalar(forward()))
+    chosen = measured.plan(resolve(parse_budget(config.budget), measured.no_ckpt_peak))  # raises if it cannot fit
+    rank_zero_info(f"ckpt=auto plan:\n{chosen}")
+    return apply_plan(model, chosen, config.preserve_rng_state)
+
+
+def _example_forward(model: nn.Module) -> Callable[[], Any]:
+    example = getattr(model, "example_input_array", None)
+    if example is None:
+        raise ValueError(
+            f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on "
+            f"{type(model).__name__} (Lightning's convention: a tensor, a tuple of arguments or a dict)"
+        )
+    args, kwargs = call_args(example)
+    return lambda: model(*args, **kwargs)
+
+
+def call_args(example: Any) -> tuple[tuple, dict]:
+    """Lightning's convention for ``example_input_array`` (as in ModelSummary): a tuple is
+    the positional arguments, a dict the keyword arguments, anything else the one argument."""
+    if isinstance(example, tuple):
+        return example, {}
+    if isinstance(example, dict):
+        return (), example
+    return (example,), {}
+
+
+def _scalar(output: Any) -> Any:
+    """A loss to backpropagate from any forward output: the sum of its floating-point tensors."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    parts = [t.float().sum() for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return torch.stack(parts).sum()
 
 
 def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:

@@ -260,13 +260,16 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.mark.parametrize("name", _presets("ckpt"))
 def test_ckpt_preset_instantiates_the_callback(name: str) -> None:
-    cfg = compose_train(f"ckpt={name}")
+    cfg = compose_train(f"ckpt={name}", *PRESET_NEEDS.get(name, []))
     callback = instantiate(cfg.callbacks.activation_checkpointing)
     assert isinstance(callback, ActivationCheckpointing)
     # A preset named after a mode selects it; the others refine one (names -> selective, ...).
     assert callback.config.mode == PRESET_MODES.get(name, name)
     assert callback.config.mode in MODES
 
+
+# What a preset needs from the user beyond ckpt.layers (which model/gpt.yaml gives).
+PRESET_NEEDS = {"auto": ["ckpt.budget=0.5"]}
 
 # The presets that are not a mode's own file, and what each must set beyond its mode.
 PRESET_MODES = {"names": "selective", "segments": "full", "recursive": "full"}

@@ -68,3 +68,22 @@ def test_design_example_bottleneck_segments_with_offload(tmp_path: Path) -> None
     assert (count, model) == ("6", "ResNet")
     assert _bytes(with_ckpt) < _bytes(without)
     assert OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").ckpt.segments == 2
+
+
+def test_auto_from_the_entry_point_prints_its_plan(tmp_path: Path) -> None:
+    out, sweep = multirun(tmp_path, *TINY_GPT, *FAST, "ckpt=auto", "ckpt.budget=0.5")
+    assert "ckpt=auto plan:" in out and "<= budget" in out
+    ((count, model, without, with_ckpt),) = TABLE.findall(out)
+    assert model == "GPT" and int(count) >= 1
+    assert _bytes(with_ckpt) <= 0.5 * _bytes(without)
+    assert OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").ckpt.budget == 0.5
+
+
+def test_auto_without_a_budget_is_an_error(tmp_path: Path) -> None:
+    from conftest import compose_train
+    from hydra.utils import instantiate
+
+    cfg = compose_train("ckpt=auto")
+    with pytest.raises(Exception, match=r"ckpt=auto needs ckpt\.budget: a fraction of the activation peak "
+                       r"without checkpointing \(0\.4\) or a size \(2GiB\)"):
+        instantiate(cfg.callbacks.activation_checkpointing)

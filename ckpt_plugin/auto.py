@@ -1,0 +1,535 @@
+"""``ckpt=auto``: choose per layer what to checkpoint so that activations fit a budget.
+
+    python recipes/train.py ckpt=auto ckpt.layers=TransformerBlock ckpt.budget=0.4
+    python recipes/train.py ckpt=auto ckpt.layers=TransformerBlock ckpt.budget=2GiB
+
+Each candidate layer gets one of three options: ``keep`` (no checkpointing),
+``selective`` (the ``matmuls`` policy) or ``full``. :func:`profile` measures,
+on real training steps (every candidate wrapped with one option at a time),
+what each layer keeps for backward, the FLOPs its recomputation adds, and what
+it needs on top of that while it runs. :func:`plan` then picks the options with
+the least recompute FLOPs whose predicted activation peak fits, exactly: a
+dynamic programme, no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and
+no ``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).
+
+The peak model, in activation bytes as MemTracker counts them (storages made by
+ops in forward, or by recomputation in backward)::
+
+    peak = rest + sum(kept[layer][option]) + max(rest_transient, max(transient[layer][option]))
+
+At any moment of a step the live activations split in two. Those kept for
+backward are at most ``rest + sum(kept)``. The others are temporaries of
+whatever runs at that moment: while a layer runs (its forward, or its
+recomputation in backward, when a checkpointed layer holds its full
+activations for a moment) that layer's transient, the largest amount measured;
+outside the layers (embedding, head, loss) the rest's transient. In backward,
+outside recomputation, autograd makes no activations and only frees them, so no
+new maximum arises there. Two rules keep each layer's numbers independent of
+its neighbours' options: a layer's inputs count as kept by it under every
+option (checkpointing holds them; without it a layer usually saves them), and
+what a layer makes but a later layer keeps (its output) counts in its transient.
+The model is an upper bound, not a timeline: it adds every layer's kept bytes
+to every transient, although a layer's forward runs before later layers keep
+anything and its recomputation after they have freed theirs. On the small
+GPTs of the tests it lies 2-5 % above MemTracker's act peak without
+checkpointing and 13-31 % above with it (tests/test_auto.py checks the bound).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from ._compat import TorchDispatchMode
+from .measure import REST, format_bytes, side_effect_free
+from .policies import make_policy
+from .treatment import Treatment
+from .wrapping import CheckpointedForward, checkpointing_disabled, remove_checkpointing
+
+OPTIONS = ("keep", "selective", "full")  # in order of intrusiveness: ties in FLOPs go left
+
+_NEEDS_BUDGET = (
+    "ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing (0.4) or a size (2GiB)"
+)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)$", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------- the budget
+
+@dataclass(frozen=True)
+class Budget:
+    """``ckpt.budget``: a fraction of the activation peak without checkpointing, or bytes."""
+
+    fraction: float | None = None
+    bytes: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g} of the activation peak" if self.fraction is not None else format_bytes(self.bytes)
+
+
+_POSITIVE = "must be positive: a fraction in (0, 1] such as 0.4, or a size such as 2GiB"
+
+
+def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"ckpt.budget={given!r} {_POSITIVE}")
+    if value > 1:
+        size = "at most 100%" if percent else f"for a size write e.g. {value:g}GiB" if value < 1024 else (
+            f"for a size write e.g. {value:.0f}B" if math.isfinite(value) else "for a size write e.g. 2GiB")
+        raise ValueError(f"ckpt.budget={given!r}: a fraction must be in (0, 1]; {size}")
+    return Budget(fraction=float(value))
+
+
+def parse_budget(budget: Any) -> Budget:
+    """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"512MiB"``, ``"300MB"``, ``"1.5GB"`` or an int of bytes.
+
+    The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte.
+    """
+    if budget is None or budget == "???" or (isinstance(budget, str) and not budget.strip()):  # ??? is MISSING
+        raise ValueError(_NEEDS_BUDGET)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ValueError(f"ckpt.budget={budget!r} ({type(budget).__name__}) must be a fraction (0.4) or a size (2GiB)")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"ckpt.budget={budget!r} {_POSITIVE}")
+        return Budget(fraction=1.0) if budget == 1 else Budget(bytes=budget)
+    if isinstance(budget, float):
+        return _fraction(budget, budget)
+    text = budget.strip().replace("_", "")
+    number = text[:-1] if text.endswith("%") else text
+    try:
+        value = float(number)
+    except ValueError:
+        pass
+    else:
+        return _fraction(value / 100 if number is not text else value, budget, percent=number is not text)
+    match = _SIZE.match(text)
+    if match is None:
+        why = "must be positive" if text.startswith("-") else "is not a budget"
+        raise ValueError(f"ckpt.budget={budget!r} {why}: write a fraction of the activation peak without "
+                         "checkpointing (0.4, 40%) or a size (2GiB, 512MiB, 300MB, or an integer number of bytes)")
+    size = int(float(match[1]) * _UNITS[match[2].lower()])
+    if size <= 0:
+        raise ValueError(f"ckpt.budget={budget!r} {_POSITIVE}")
+    return Budget(bytes=size)
+
+
+def resolve(budget: Budget, no_ckpt_peak_bytes: int) -> int:
+    """The budget in bytes, given the activation peak of a step without checkpointing."""
+    return budget.bytes if budget.bytes is not None else int(budget.fraction * no_ckpt_peak_bytes)
+
+
+# ---------------------------------------------------------------------- profiling
+
+@dataclass(frozen=True)
+class Cost:
+    """What one option of one layer costs: bytes kept for backward, FLOPs recomputed, bytes while it runs."""
+
+    kept_bytes: int
+    recompute_flops: int
+    transient_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    options: dict[str, Cost]  # "keep" / "selective" / "full" -> Cost
+
+
+@dataclass(frozen=True)
+class Profile:
+    """:func:`profile`'s answer: the layers, and the model outside them."""
+
+    layers: list[LayerProfile]
+    rest_bytes: int  # kept for backward outside the candidate layers
+    rest_transient: int  # unkept activations alive outside the layers at worst
+    no_ckpt_peak: int  # act peak of the step without checkpointing, as measured
+
+    def plan(self, budget_bytes: int) -> Plan:
+        return plan(self.layers, self.rest_bytes, budget_bytes,
+                    rest_transient=self.rest_transient, reference_peak=self.no_ckpt_peak)
+
+
+def treatment(option: str, preserve_rng_state: bool = True) -> Treatment | None:
+    """How a layer runs under ``option``: None for ``keep`` (leave it unwrapped)."""
+    if option == "keep":
+        return None
+    policy = make_policy("matmuls") if option == "selective" else None
+    return Treatment(checkpointing=True, preserve_rng_state=preserve_rng_state, policy=policy)
+
+
+class _Recorder(TorchDispatchMode):
+    """A timeline of one step: every storage the forward (or a recomputation) makes,
+    when it is kept for backward and by whom, when it is freed, and a sample after
+    every op, labelled with the layer running (or REST). Counts storages the way
+    MemTracker's ``act`` does: made by ops outside backward, or by recomputation."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.events: list[tuple] = []
+        self.sizes: dict[int, int] = {}  # uid -> bytes
+        self.seen: dict[int, tuple[int | None, Any]] = {}  # id(storage) -> (uid or None, weakref)
+        self.external = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+        self.external |= {id(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+        self.stack: list[str] = []
+        self.counting = True
+        self.flops: dict[str, int] = defaultdict(int)
+        self.counter: FlopCounterMode | None = None
+
+    def _uid(self, t: torch.Tensor, *, create: bool) -> int | None:
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # tensors without storage (sparse, subclasses)
+            return None
+        key = id(st)
+        if key in self.external:
+            return None
+        if key in self.seen:
+            return self.seen[key][0]
+        if not create:
+            return None
+        uid = len(self.sizes) if self.counting else None  # storages made in backward are not activations
+        events = self.events
+
+        def freed(_ref: Any, key: int = key, uid: int | None = uid) -> None:
+            self.seen.pop(key, None)
+            if uid is not None:
+                events.append(("free", uid))
+
+        self.seen[key] = (uid, weakref.ref(st, freed))
+        if uid is not None:
+            # As MemTracker: CUDA's caching allocator hands out multiples of 512 bytes.
+            self.sizes[uid] = -(-st.nbytes() // 512) * 512 if st.device.type == "cuda" else st.nbytes()
+            events.append(("alloc", uid))
+        return uid
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._uid(t, create=True)
+        if self.counting:
+            self.events.append(("sample", self.stack[-1] if self.stack else REST))
+        return out
+
+    def keep(self, t: Any, owner: str | None = None) -> Any:
+        """saved_tensors_hooks' pack: ``t`` is kept for backward by the layer running."""
+        if isinstance(t, torch.Tensor):
+            uid = self._uid(t, create=False)
+            if uid is not None:
+                self.events.append(("pack", uid, owner or (self.stack[-1] if self.stack else REST)))
+        return t
+
+    def window(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """``inner`` (the layer's forward) labelled ``name`` in forward and in its recomputation."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            recompute = not self.counting  # only backward stops counting; only recomputation runs forwards there
+            if not recompute:
+                # Checkpoint holds the inputs for recomputation; count them kept under every
+                # option (without checkpointing a layer usually saves its input anyway), so that
+                # what one layer keeps never depends on another's option.
+                for t in tree_leaves((args, kwargs)):
+                    self.keep(t, name)
+            counter = self.counter if recompute else None
+            before = counter.get_total_flops() if counter else 0
+            self.stack.append(name)
+            self.counting = True
+            try:
+                return inner(*args, **kwargs)
+            finally:  # also when checkpoint stops a recomputation early (an exception)
+                self.stack.pop()
+                self.counting = not recompute
+                if counter:
+                    self.flops[name] += counter.get_total_flops() - before
+
+        return run
+
+    def analyse(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """(kept bytes by owner, transient bytes by window, peak live bytes).
+
+        At each sample, the transient is what is alive and not kept: neither kept
+        for backward by then, nor to be kept later by the window's own layer or by
+        the rest of the model (whose keeps do not depend on any layer's option).
+        What a *later layer* will keep (the running layer's output) stays in the
+        transient, so the sum never leans on a neighbour's option.
+        """
+        owners: dict[int, set[str]] = defaultdict(set)
+        for ev in self.events:
+            if ev[0] == "pack":
+                owners[ev[1]].add(ev[2])
+        kept_by: dict[str, int] = defaultdict(int)
+        for uid, names in owners.items():
+            for name in names:
+                kept_by[name] += self.sizes[uid]
+        frozen = {uid: frozenset(names) for uid, names in owners.items()}
+        live = kept = peak = 0
+        pending: dict[frozenset, int] = defaultdict(int)  # alive, not kept yet, kept later by these owners
+        packed: set[int] = set()
+        transient: dict[str, int] = defaultdict(int)
+        for kind, *rest in self.events:
+            if kind == "sample":
+                window = rest[0]
+                later = sum(v for who, v in pending.items() if window in who or REST in who)
+                transient[window] = max(transient[window], live - kept - later)
+                peak = max(peak, live)
+                continue
+            uid = rest[0]
+            size = self.sizes[uid]
+            if kind == "alloc":
+                live += size
+                if uid in frozen:
+                    pending[frozen[uid]] += size
+            elif kind == "pack" and uid not in packed:
+                packed.add(uid)
+                kept += size
+                pending[frozen[uid]] -= size
+            elif kind == "free":
+                live -= size
+                if uid in packed:
+                    kept -= size
+        return dict(kept_by), dict(transient), peak
+
+
+def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str, *, flops: bool) -> _Recorder:
+    """One training step with every candidate under ``option``, recorded; the model is left as it was.
+
+    Memory (``flops=False``) and FLOPs (``flops=True``) come from separate steps:
+    FlopCounterMode's module tracker holds recomputed tensors until backward ends
+    (multi-grad hooks on module outputs), which would distort the memory timeline.
+    """
+    modules = dict(model.named_modules())
+    how = treatment(option) or Treatment(checkpointing=False)
+    recorder = _Recorder(model)
+    mode = FlopCounterMode(display=False) if flops else recorder
+    recorder.counter = mode if flops else None
+    previous = {name: modules[name].__dict__.get("forward") for name in names}
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        for name in names:
+            module = modules[name]
+            # Labelled inside checkpoint (its recomputation runs the inner forward only) and
+            # outside it (checkpoint saves the layer's inputs before calling the inner forward).
+            module.__dict__["forward"] = recorder.window(name, module.forward)
+            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how))
+        with side_effect_free(model), mode, torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(recorder.keep, lambda t: t):
+                outputs = [t for t in tree_leaves(forward()) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not outputs:
+                    raise ValueError("ckpt=auto: the profiling forward returned no tensor that requires grad; "
+                                     "it must return the loss")
+                # Made before backward, as loss.backward() makes its own: MemTracker counts it as act.
+                seeds = [torch.ones_like(t) for t in outputs]
+            recorder.counting = False
+            torch.autograd.backward(outputs, seeds)
+            del outputs, seeds
+    finally:
+        for p, g in grads.items():  # the step's gradients are dropped
+            p.grad = g
+        for name in names:
+            if previous[name] is None:
+                modules[name].__dict__.pop("forward", None)
+            else:
+                modules[name].__dict__["forward"] = previous[name]
+    return recorder
+
+
+def _check_names(model: nn.Module, names: list[str]) -> None:
+    if not names:
+        raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
+                         "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(f"ckpt=auto: no module named {', '.join(map(repr, missing))} in the model")
+    nested = [(a, b) for a in names for b in names if a != b and (a == "" or b.startswith(a + "."))]
+    if nested:
+        raise ValueError(f"ckpt=auto: ckpt.layers selected {nested[0][1]!r} inside {nested[0][0] or 'the model'!r}; "
+                         "the candidate layers must not contain one another")
+
+
+def profile(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> Profile:
+    """Measure every option of every candidate layer (qualified names) on real steps.
+
+    ``forward()`` runs the model on a sample batch and returns the loss. Five
+    steps in all, each with every candidate wrapped one way: three record memory
+    (keep, selective, full), two count recompute FLOPs (selective, full). They
+    leave no trace: RNG streams, buffers, gradients and wrapping are restored.
+    """
+    names = list(dict.fromkeys(names))
+    _check_names(model, names)
+    with checkpointing_disabled(model):
+        memory = {option: _step(model, names, forward, option, flops=False).analyse() for option in OPTIONS}
+        flops = {option: _step(model, names, forward, option, flops=True).flops if option != "keep" else {}
+                 for option in OPTIONS}
+    layers = [
+        LayerProfile(name, {
+            option: Cost(kept.get(name, 0), flops[option].get(name, 0), transient.get(name, 0))
+            for option, (kept, transient, _peak) in memory.items()
+        })
+        for name in names
+    ]
+    return Profile(
+        layers=layers,
+        rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),
+        rest_transient=max(transient.get(REST, 0) for _, transient, _ in memory.values()),
+        no_ckpt_peak=memory["keep"][2],
+    )
+
+
+# ---------------------------------------------------------------------- planning
+
+@dataclass(frozen=True)
+class Plan:
+    """One option per layer, the least recompute whose predicted activation peak fits."""
+
+    choices: dict[str, str]
+    recompute_flops: int
+    predicted_peak: int
+    budget_bytes: int
+    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer, option, kept bytes, recompute FLOPs
+    rest_bytes: int = 0
+    transient_bytes: int = 0
+
+    def __str__(self) -> str:
+        width = max(len("(largest transient)"), *(len(r[0]) for r in self.rows))
+        lines = [f"{'layer':<{width}}  {'option':<9}  {'kept':>10}  {'recompute FLOPs':>16}"]
+        lines += [f"{n:<{width}}  {o:<9}  {format_bytes(b):>10}  {f:>16,}" for n, o, b, f in self.rows]
+        lines.append(f"{REST:<{width}}  {'':<9}  {format_bytes(self.rest_bytes):>10}")
+        lines.append(f"{'(largest transient)':<{width}}  {'':<9}  {format_bytes(self.transient_bytes):>10}")
+        peak, flops = format_bytes(self.predicted_peak), self.recompute_flops
+        lines.append(f"{'total (peak)':<{width}}  {'':<9}  {peak:>10}  {flops:>16,}")
+        lines.append(f"predicted activation peak {format_bytes(self.predicted_peak)} ({self.predicted_peak} B) "
+                     f"<= budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B)")
+        return "\n".join(lines)
+
+
+def _cost(option: str, cost: Cost) -> tuple[int, int]:
+    # FLOPs first; FlopCounterMode misses elementwise recompute, so ties go to the lighter option.
+    return cost.recompute_flops, OPTIONS.index(option) if option in OPTIONS else len(OPTIONS)
+
+
+def _frontier(layers: list[LayerProfile], cap: int) -> list[tuple[int, tuple[int, int], tuple[str, ...]]]:
+    """Pareto frontier of (kept bytes, cost) over all choices whose transients are <= ``cap``:
+    bytes ascending, cost strictly descending; exact (every byte count kept as is)."""
+    frontier: list[tuple[int, tuple[int, int], tuple[str, ...]]] = [(0, (0, 0), ())]
+    for layer in layers:
+        allowed = [(o, c) for o, c in layer.options.items() if c.transient_bytes <= cap]
+        if not allowed:
+            return []
+        grown = sorted(
+            (b + c.kept_bytes, (f + _cost(o, c)[0], n + _cost(o, c)[1]), chosen + (o,))
+            for b, (f, n), chosen in frontier for o, c in allowed
+        )
+        frontier = []
+        for entry in grown:
+            if not frontier or entry[1] < frontier[-1][1]:
+                frontier.append(entry)
+    return frontier
+
+
+def plan(
+    profiles: list[LayerProfile],
+    rest_bytes: int,
+    budget_bytes: int,
+    *,
+    rest_transient: int = 0,
+    reference_peak: int | None = None,
+) -> Plan:
+    """The choice of options with the least recompute FLOPs whose predicted peak fits ``budget_bytes``.
+
+    Exact: for every value T the largest transient can take, a dynamic programme
+    over the layers keeps the Pareto frontier of (kept bytes, recompute) using only
+    options whose transient is at most T; the best fitting entry over all T wins.
+    ``reference_peak`` (the activation peak without checkpointing) only words errors.
+    """
+    if not profiles:
+        raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
+                         "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
+    assert all(p.options for p in profiles), "every layer needs at least one option"
+    caps = sorted({rest_transient} | {c.transient_bytes for p in profiles for c in p.options.values()
+                                       if c.transient_bytes > rest_transient})
+    best, smallest = None, math.inf
+    for cap in caps:
+        frontier = _frontier(profiles, cap)
+        if not frontier:
+            continue
+        smallest = min(smallest, rest_bytes + frontier[0][0] + cap)
+        fits = [e for e in frontier if rest_bytes + e[0] + cap <= budget_bytes]
+        if fits:
+            kept, cost, chosen = fits[-1]  # the most bytes that fit: the least cost
+            peak = rest_bytes + kept + max([rest_transient] + [p.options[o].transient_bytes
+                                                               for p, o in zip(profiles, chosen)])
+            if best is None or (cost, peak) < best[:2]:
+                best = (cost, peak, chosen)
+    if best is None:
+        # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
+        most = [p.options.get("keep") or max(p.options.values(), key=lambda c: c.kept_bytes) for p in profiles]
+        reference = reference_peak or (rest_bytes + sum(c.kept_bytes for c in most)
+                                       + max([rest_transient] + [c.transient_bytes for c in most]))
+        raise ValueError(
+            f"ckpt.budget: {budget_bytes} bytes ({format_bytes(budget_bytes)}, {budget_bytes / reference:.2f} of "
+            f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
+            f"checkpointing ckpt.layers: the smallest peak reachable is {smallest} bytes ({format_bytes(smallest)}, "
+            f"{smallest / reference:.2f}); raise ckpt.budget to at least "
+            f"{math.ceil(smallest / reference * 100) / 100:g} or {smallest} bytes, or select more layers"
+        )
+    cost, peak, chosen = best
+    rows = [(p.name, o, p.options[o].kept_bytes, p.options[o].recompute_flops) for p, o in zip(profiles, chosen)]
+    return Plan(
+        choices={p.name: o for p, o in zip(profiles, chosen)},
+        recompute_flops=cost[0],
+        predicted_peak=peak,
+        budget_bytes=budget_bytes,
+        rows=rows,
+        rest_bytes=rest_bytes,
+        transient_bytes=peak - rest_bytes - sum(r[2] for r in rows),
+    )
+
+
+def apply_plan(model: nn.Module, chosen: Plan, preserve_rng_state: bool = True) -> list[str]:
+    """Wrap each layer of ``chosen`` with its option (``keep`` stays unwrapped).
+
+    Replaces any previous wrapping of ``model``, as :func:`~ckpt_plugin.apply_checkpointing`
+    does; returns the names wrapped, in ``chosen``'s order.
+    """
+    modules = dict(model.named_modules())
+    missing = [n for n in chosen.choices if n not in modules]
+    if missing:
+        raise ValueError(f"ckpt=auto: the plan names {', '.join(map(repr, missing))}, not in this model")
+    remove_checkpointing(model)
+    wrapped = []
+    for name, option in chosen.choices.items():
+        how = treatment(option, preserve_rng_state)
+        if how is not None:
+            modules[name].__dict__["forward"] = CheckpointedForward(modules[name], how)
+            wrapped.append(name)
+    return wrapped
+
+
+__all__ = [
+    "Budget",
+    "Cost",
+    "LayerProfile",
+    "OPTIONS",
+    "Plan",
+    "Profile",
+    "apply_plan",
+    "parse_budget",
+    "plan",
+    "profile",
+    "resolve",
+    "treatment",
+]

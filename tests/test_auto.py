@@ -1,0 +1,301 @@
+"""ckpt=auto: the budget, the profile, the plan's optimality, and the budget met for real.
+
+Optimality is checked against exhaustive search over all 3^L choices; the
+real check applies the plan to a GPT and measures the step's activation peak
+with MemTracker (``measure.step_memory``), exactly as DESIGN.md says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from conftest import gpt_batch, small_gpt
+from torch.utils.flop_counter import FlopCounterMode
+
+from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
+from ckpt_plugin.auto import OPTIONS, Budget, Cost, LayerProfile, parse_budget, plan, profile, resolve
+from ckpt_plugin.measure import REST, saved_bytes, step_flops, step_memory
+from ckpt_plugin.policies import make_policy
+from ckpt_plugin.treatment import Treatment
+from ckpt_plugin.wrapping import CheckpointedForward
+
+N_LAYER = 6
+BLOCKS = [f"blocks.{i}" for i in range(N_LAYER)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: on a shared 2-core machine, waking a second intra-op thread for
+    # every op costs ~8 ms and makes a step 100x slower. Bytes and FLOPs do not change.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------- parse_budget
+
+@pytest.mark.parametrize(("given", "expected"), [
+    (0.4, Budget(fraction=0.4)),
+    ("0.4", Budget(fraction=0.4)),
+    ("40%", Budget(fraction=0.4)),
+    (1.0, Budget(fraction=1.0)),
+    (1, Budget(fraction=1.0)),  # ckpt.budget=1 on the command line is an int: the whole peak, not 1 byte
+    ("2GiB", Budget(bytes=2 * 2**30)),
+    ("512MiB", Budget(bytes=512 * 2**20)),
+    ("300MB", Budget(bytes=300 * 10**6)),
+    ("1.5GB", Budget(bytes=1_500_000_000)),
+    (" 2 gib ", Budget(bytes=2 * 2**30)),
+    (123456, Budget(bytes=123456)),
+])
+def test_parse_budget_accepts(given, expected) -> None:
+    assert parse_budget(given) == expected
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    (None, r"ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing \(0.4\) or a size \(2GiB\)"),
+    ("???", r"ckpt=auto needs ckpt.budget"),
+    (0, r"ckpt.budget=0 must be positive"),
+    (0.0, r"ckpt.budget=0.0 must be positive"),
+    (-0.5, r"ckpt.budget=-0.5 must be positive"),
+    (-3, r"ckpt.budget=-3 must be positive"),
+    ("0GiB", r"ckpt.budget='0GiB' must be positive"),
+    ("-1GiB", r"ckpt.budget='-1GiB' must be positive"),
+    (1.5, r"ckpt.budget=1.5: a fraction must be in \(0, 1\]; for a size write e.g. 1.5GiB"),
+    ("1.5", r"ckpt.budget='1.5': a fraction must be in \(0, 1\]; for a size write e.g. 1.5GiB"),
+    ("150%", r"ckpt.budget='150%': a fraction must be in \(0, 1\]; at most 100%"),
+    ("abc", r"ckpt.budget='abc' is not a budget: write a fraction .* or a size \(2GiB, 512MiB, 300MB"),
+    ("2GX", r"ckpt.budget='2GX' is not a budget"),
+    (True, r"ckpt.budget=True \(bool\) must be a fraction \(0.4\) or a size \(2GiB\)"),
+    ([0.4], r"ckpt.budget=\[0.4\] \(list\) must be a fraction"),
+])
+def test_parse_budget_rejects(given, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_budget(given)
+
+
+def test_resolve_scales_a_fraction_and_passes_bytes_through() -> None:
+    assert resolve(parse_budget(0.25), 1000) == 250
+    assert resolve(parse_budget("1KiB"), 10**9) == 1024
+
+
+# ---------------------------------------------------------------------- plan vs exhaustive search
+
+def _level(choices) -> int:
+    return sum(OPTIONS.index(o) for o in choices)
+
+
+def _all_choices(layers, rest, rest_transient):
+    """(peak, (flops, level), choices) of every one of the 3^L choices."""
+    out = []
+    for combo in itertools.product(*(list(layer.options.items()) for layer in layers)):
+        transient = max([rest_transient] + [c.transient_bytes for _, c in combo])
+        peak = rest + sum(c.kept_bytes for _, c in combo) + transient
+        flops = sum(c.recompute_flops for _, c in combo)
+        out.append((peak, (flops, _level(o for o, _ in combo)), tuple(o for o, _ in combo)))
+    return out
+
+
+def _check_against_exhaustive(layers, rest, rest_transient, budgets) -> int:
+    everything = _all_choices(layers, rest, rest_transient)
+    smallest = min(peak for peak, _, _ in everything)
+    checked = 0
+    for budget in budgets:
+        fitting = [cost for peak, cost, _ in everything if peak <= budget]
+        if not fitting:
+            message = rf"ckpt.budget: {budget} bytes .*smallest peak reachable is {smallest} bytes"
+            with pytest.raises(ValueError, match=message):
+                plan(layers, rest, budget, rest_transient=rest_transient)
+            continue
+        p = plan(layers, rest, budget, rest_transient=rest_transient)
+        chosen = tuple(p.choices[layer.name] for layer in layers)
+        peak = next(pk for pk, _, ch in everything if ch == chosen)
+        assert (p.recompute_flops, _level(chosen)) == min(fitting)
+        assert p.predicted_peak == peak <= budget
+        checked += 1
+    return checked
+
+
+def _random_layers(rng: random.Random, n: int) -> list[LayerProfile]:
+    layers = []
+    for i in range(n):
+        if rng.random() < 0.3:  # anything at all, ties likely
+            options = {o: Cost(rng.randint(0, 40), rng.randint(0, 5), rng.randint(0, 40)) for o in OPTIONS}
+            options["keep"] = Cost(options["keep"].kept_bytes, 0, options["keep"].transient_bytes)
+        else:  # shaped like a real layer: less kept, more recompute and a larger transient further right
+            keep = rng.randint(40, 100)
+            sel = rng.randint(10, keep)
+            options = {
+                "keep": Cost(keep, 0, rng.randint(0, 20)),
+                "selective": Cost(sel, rng.choice([0, rng.randint(1, 60)]), rng.randint(10, keep)),
+                "full": Cost(rng.randint(1, sel), rng.randint(50, 120), rng.randint(keep // 2, keep + 40)),
+            }
+        layers.append(LayerProfile(f"layers.{i}", options))
+    return layers
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_plan_is_optimal_on_random_profiles(n: int) -> None:
+    rng = random.Random(n)
+    for _ in range(3 if n < 8 else 1):
+        layers = _random_layers(rng, n)
+        rest, rest_transient = rng.randint(0, 50), rng.randint(0, 60)
+        peaks = sorted({peak for peak, _, _ in _all_choices(layers, rest, rest_transient)})
+        # Every exact peak is a budget (the boundaries), plus one below the smallest.
+        budgets = [peaks[0] - 1] + (peaks if len(peaks) <= 40 else rng.sample(peaks, 40))
+        assert _check_against_exhaustive(layers, rest, rest_transient, budgets) == len(budgets) - 1
+
+
+# ---------------------------------------------------------------------- the real GPT
+
+@pytest.fixture(scope="module")
+def gpt() -> dict:
+    """A float64 GPT of N_LAYER blocks: its profile, and a plain step's act peak and gradients."""
+    model = small_gpt(torch.float64, n_layer=N_LAYER, n_embd=64, block_size=64)
+    batch = gpt_batch(model)
+
+    def step() -> None:
+        model.loss(batch).backward()
+
+    def plain_step() -> None:
+        step()
+        model.zero_grad(set_to_none=True)
+
+    rng = torch.get_rng_state()
+    prof = profile(model, BLOCKS, lambda: model.loss(batch))
+    assert torch.equal(torch.get_rng_state(), rng)  # profiling drew no random numbers
+    torch.manual_seed(0)
+    step()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return {"model": model, "batch": batch, "step": step, "profile": prof, "grads": grads,
+            "act": step_memory(plain_step, model)["act"]}
+
+
+def test_profile_leaves_the_model_as_it_was() -> None:
+    model = small_gpt(n_layer=2)
+    batch = gpt_batch(model)
+    apply_checkpointing(model, layers="blocks.1")
+    profile(model, ["blocks.0", "blocks.1"], lambda: model.loss(batch))
+    assert wrapped_modules(model) == ["blocks.1"]
+    assert "forward" not in model.blocks[0].__dict__
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profile_measures_what_the_package_measures(gpt: dict) -> None:
+    """Kept bytes match saved_bytes under each option; recompute FLOPs add up to the step's."""
+    model, batch, prof = gpt["model"], gpt["batch"], gpt["profile"]
+    forward = lambda: model.loss(batch)  # noqa: E731
+    assert prof.no_ckpt_peak == gpt["act"]  # our timeline's peak is MemTracker's act peak
+    plain_flops = step_flops(lambda: model.loss(batch).backward())
+    with FlopCounterMode(display=False) as counter:
+        forward()
+    block_flops = [sum(counter.get_flop_counts()[f"GPT.{n}"].values()) for n in BLOCKS]
+    for option in OPTIONS:
+        how = _treatment(option)
+        for name in BLOCKS:
+            if how is not None:
+                module = model.get_submodule(name)
+                module.__dict__["forward"] = CheckpointedForward(module, how)
+        saved = saved_bytes(model, forward, BLOCKS)
+        # The rest keeps the same whatever the blocks do; the token ids come from outside the step,
+        # so MemTracker (and the profile) do not count them as activations.
+        assert prof.rest_bytes == saved.by_owner[REST] - batch[0].untyped_storage().nbytes()
+        extra = step_flops(lambda: model.loss(batch).backward()) - plain_flops
+        remove_checkpointing(model)
+        model.zero_grad(set_to_none=True)
+        assert [layer.options[option].kept_bytes for layer in prof.layers] == [saved.by_owner[n] for n in BLOCKS]
+        assert sum(layer.options[option].recompute_flops for layer in prof.layers) == extra
+    # Full recomputation replays each block's forward; checkpointing keeps only its input.
+    assert [layer.options["full"].recompute_flops for layer in prof.layers] == block_flops
+    assert {layer.options["full"].kept_bytes for layer in prof.layers} == {batch[0].numel() * 64 * 8}
+
+
+def test_plan_is_optimal_on_the_gpt_profile(gpt: dict) -> None:
+    prof = gpt["profile"]
+    peaks = sorted({peak for peak, _, _ in _all_choices(prof.layers, prof.rest_bytes, prof.rest_transient)})
+    budgets = [int(f * gpt["act"]) for f in (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)]
+    budgets += random.Random(0).sample(peaks, 20) + [peaks[0] - 1, peaks[0]]
+    assert _check_against_exhaustive(prof.layers, prof.rest_bytes, prof.rest_transient, budgets) == len(budgets) - 2
+
+
+def test_more_budget_never_costs_more_recompute(gpt: dict) -> None:
+    prof = gpt["profile"]
+    flops = [prof.plan(int(f / 20 * gpt["act"])).recompute_flops for f in range(5, 21)]
+    assert flops == sorted(flops, reverse=True) and flops[0] > 0 == flops[-1]
+
+
+def test_an_unreachable_budget_names_the_smallest_peak(gpt: dict) -> None:
+    prof = gpt["profile"]
+    smallest = min(peak for peak, _, _ in _all_choices(prof.layers, prof.rest_bytes, prof.rest_transient))
+    budget = int(0.1 * gpt["act"])
+    with pytest.raises(ValueError, match=(
+        rf"ckpt.budget: {budget} bytes \(.*, 0.10 of the activation peak without checkpointing, .*\) "
+        rf"cannot be met .* the smallest peak reachable is {smallest} bytes"
+    )):
+        prof.plan(budget)
+
+
+def test_nothing_to_choose_from() -> None:
+    with pytest.raises(ValueError, match="ckpt=auto: nothing to choose from: ckpt.layers selected no layers"):
+        plan([], 0, 10**9)
+    model = small_gpt(n_layer=2)
+    with pytest.raises(ValueError, match="ckpt=auto: nothing to choose from: ckpt.layers selected no layers"):
+        profile(model, [], lambda: model.loss(gpt_batch(model)))
+
+
+def test_candidates_must_exist_and_not_nest() -> None:
+    model = small_gpt(n_layer=2)
+    forward = lambda: model.loss(gpt_batch(model))  # noqa: E731
+    with pytest.raises(ValueError, match="ckpt.layers selected 'blocks.0.attn' inside 'blocks.0'"):
+        profile(model, ["blocks.0", "blocks.0.attn"], forward)
+    with pytest.raises(ValueError, match="no module named 'blocks.7'"):
+        profile(model, ["blocks.7"], forward)
+
+
+def test_the_plan_reads_as_a_table(gpt: dict) -> None:
+    p = gpt["profile"].plan(int(0.5 * gpt["act"]))
+    text = str(p)
+    for name, option in p.choices.items():
+        assert any(line.split()[:2] == [name, option] for line in text.splitlines())
+    assert f"{p.recompute_flops:,}" in text and f"({p.budget_bytes} B)" in text and "(rest of model)" in text
+
+
+def _treatment(option: str) -> Treatment | None:
+    return {
+        "keep": None,
+        "selective": Treatment(policy=make_policy("matmuls")),
+        "full": Treatment(checkpointing=True),
+    }[option]
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75])
+def test_the_plan_fits_the_budget_for_real(gpt: dict, fraction: float) -> None:
+    """Applied to the model, the plan's MemTracker act peak is within budget; gradients bitwise equal."""
+    model, prof = gpt["model"], gpt["profile"]
+    budget = resolve(parse_budget(fraction), gpt["act"])
+    p = plan(prof.layers, prof.rest_bytes, budget, rest_transient=prof.rest_transient)
+    assert set(p.choices.values()) != {"keep"}
+    for name, option in p.choices.items():
+        how = _treatment(option)
+        if how is not None:
+            module = model.get_submodule(name)
+            module.__dict__["forward"] = CheckpointedForward(module, how)
+    try:
+        def step() -> None:
+            gpt["step"]()
+            model.zero_grad(set_to_none=True)
+
+        act = step_memory(step, model)["act"]
+        torch.manual_seed(0)
+        gpt["step"]()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    finally:
+        remove_checkpointing(model)
+        model.zero_grad(set_to_none=True)
+    print(f"budget {fraction}: {budget} B, predicted {p.predicted_peak} B, MemTracker act {act} B, {p.choices}")
+    assert act <= p.predicted_peak <= budget
+    assert all(torch.equal(grads[n], g) for n, g in gpt["grads"].items())

@@ -1,0 +1,129 @@
+"""ckpt-bench end to end: a ``--quick`` run, as a user types it, writes its three files.
+
+Bytes and FLOPs are exact and asserted; timings never are (DESIGN.md, how we measure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_plugin.bench import MODELS, build, main, pareto_front
+
+FIXED = ["none", "hand", "full", "every_n_2", "segments_sqrt", "recursive", "selective", "offload"]
+AUTO = {"auto_0.25": 0.25, "auto_0.5": 0.5, "auto_0.75": 0.75}
+KEYS = ("peak_bytes", "act_peak_bytes", "flops_ratio", "time_ratio")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_bench(cwd: Path, modes: list[str]) -> tuple[list[str], Path]:
+    """``python -m ckpt_plugin.bench --quick --out tmp --modes ...`` in ``cwd``; returns its argv and out dir."""
+    args = ["--quick", "--out", "tmp", "--modes", ",".join(modes)]
+    cmd = [sys.executable, "-m", "ckpt_plugin.bench", *args]
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return args, cwd / "tmp"
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, dict]:
+    args, out = run_bench(tmp_path_factory.mktemp("bench"), FIXED)
+    return args, out, json.loads((out / "results.json").read_text())
+
+
+def test_writes_results_json_table_and_plot(fixed) -> None:
+    _, out, _ = fixed
+    for name in ("results.json", "results.md", "plot.png"):
+        assert (out / name).is_file(), name
+    assert (out / "plot.png").read_bytes().startswith(PNG)
+
+
+def test_every_model_and_mode_has_the_four_numbers(fixed) -> None:
+    _, _, results = fixed
+    assert list(results) == list(MODELS)
+    for model, rows in results.items():
+        assert list(rows) == FIXED, model
+        for mode, row in rows.items():
+            for key in KEYS:
+                assert isinstance(row[key], int | float), (model, mode, key, row.get(key))
+
+
+def test_none_is_the_reference(fixed) -> None:
+    for rows in fixed[2].values():
+        assert rows["none"]["flops_ratio"] == 1.0
+        assert rows["none"]["act_peak_bytes"] / rows["none"]["act_peak_bytes"] == rows["none"]["act_fraction"] == 1.0
+
+
+def test_full_keeps_fewer_activations_and_recomputes(fixed) -> None:
+    for model, rows in fixed[2].items():
+        assert rows["full"]["act_peak_bytes"] < rows["none"]["act_peak_bytes"], model
+        assert rows["full"]["peak_bytes"] < rows["none"]["peak_bytes"], model
+        assert rows["full"]["flops_ratio"] > 1.0, model
+
+
+def test_selective_matmuls_recomputes_no_counted_flops(fixed) -> None:
+    # FlopCounterMode counts matmuls and convolutions only, and those are exactly what the policy saves.
+    for model, rows in fixed[2].items():
+        assert rows["selective"]["flops_ratio"] == 1.0, model
+
+
+def test_full_costs_what_hand_written_checkpointing_costs(fixed) -> None:
+    results = fixed[2]
+    for model, rows in results.items():
+        assert rows["full"]["flops"] == rows["hand"]["flops"], model
+        assert rows["full"]["flops_ratio"] == rows["hand"]["flops_ratio"], model
+    # Total peaks (exact): the same bytes. The one addition is the BatchNorm fix (pytorch#96136),
+    # which holds a copy of the running statistics of the block being recomputed.
+    assert results["gpt"]["full"]["peak_bytes"] == results["gpt"]["hand"]["peak_bytes"]
+    resnet = build(MODELS["resnet"], "none", quick=True).model
+    stats = sum(b.untyped_storage().nbytes() for b in resnet.buffers())
+    extra = results["resnet"]["full"]["peak_bytes"] - results["resnet"]["hand"]["peak_bytes"]
+    assert 0 <= extra <= stats
+
+
+def test_table_starts_with_the_command_line(fixed) -> None:
+    args, out, _ = fixed
+    text = (out / "results.md").read_text()
+    command = "python -m ckpt_plugin.bench " + " ".join(args)
+    assert command in text.split("## ")[0]
+    for model in MODELS:
+        assert f"## {model}" in text
+    for mode in FIXED:
+        assert f"| {mode} |" in text
+
+
+def test_auto_budgets_are_met_or_refused(tmp_path: Path) -> None:
+    """Fails until ``mode="auto"`` exists: the bench refuses auto modes loudly before running anything."""
+    _, out = run_bench(tmp_path, ["none", "full", *AUTO])
+    results = json.loads((out / "results.json").read_text())
+    for model, rows in results.items():
+        none, full = rows["none"], rows["full"]
+        for mode, budget in AUTO.items():
+            row = rows[mode]
+            if row.get("error"):
+                # Refused only when even checkpointing every layer does not fit.
+                assert full["act_peak_bytes"] > budget * none["act_peak_bytes"], (model, mode, row["error"])
+                continue
+            assert row["act_peak_bytes"] <= budget * none["act_peak_bytes"], (model, mode)
+            assert 1.0 <= row["flops_ratio"] <= full["flops_ratio"], (model, mode)
+        ratios = [rows[m]["flops_ratio"] for m in AUTO if not rows[m].get("error")]
+        assert ratios == sorted(ratios, reverse=True), (model, "a larger budget never recomputes more")
+
+
+def test_pareto_front_keeps_the_points_nothing_beats() -> None:
+    points = {"a": (1.0, 1.0), "b": (2.0, 0.5), "c": (2.0, 0.8), "d": (3.0, 0.6), "e": (0.5, 2.0)}
+    assert pareto_front(points) == ["e", "a", "b"]
+
+
+def test_unknown_mode_names_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--modes", "none,ful", "--out", "unused"])
+    assert err.value.code == 2
+    assert "--modes: 'ful' is not one of them; valid, closest first: full" in capsys.readouterr().err
