@@ -248,7 +248,7 @@ def test_two_unknown_keys_reported_together_with_a_bad_value():
 
 def test_unknown_mode_lists_full_first():
     info = raises_for(
-        re.escape("ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'offload', 'selective', 'none'"),
+        re.escape("ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'offload', 'auto', 'selective', 'none'"),
         mode="fulll",
         layers="TransformerBlock",
     )
@@ -296,10 +296,17 @@ def test_callback_rejects_unknown_mode_at_construction():
 
 def test_callback_unknown_layer_at_fit_start_wraps_nothing():
     # Layer names can only be checked against the model, in on_fit_start.
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
     callback = ActivationCheckpointing(layers=["TransformerBlock", "TransformerBlok"])
     model = small_gpt()
+    data = torch.randint(96, (4, 17))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
     with pytest.raises(ValueError, match=r"no module of class 'TransformerBlok' in GPT; class names in this model, closest first: TransformerBlock,"):
-        callback.on_fit_start(None, model)  # raises before the trainer is used
+        trainer.fit(model, DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2))
     assert_untouched(model)
     assert callback.wrapped == []
 
