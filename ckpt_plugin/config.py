@@ -181,7 +181,7 @@ class AutoConfig(LayerSelection):
     preserve_rng_state: bool = True
 
     def __post_init__(self) -> None:
-        from .auto import parse_budget
+        from .budget import parse_budget
 
         problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
         try:
