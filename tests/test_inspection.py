@@ -7,7 +7,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import torch
 from conftest import TINY_GPT, TINY_RESNET, gpt_batch, small_gpt
 from torch.utils.flop_counter import FlopCounterMode
 
