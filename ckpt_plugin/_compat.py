@@ -33,6 +33,21 @@ class CategoryPeakTracker(MemTracker):
         super().__init__(*args, **kwargs)
         self.category_peaks: dict[str, int] = {}
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # MemTracker files what backward makes as temporaries, except inside a recomputation
+        # that a module's own forward hooks announce (``_in_ac``): the recompute of a module
+        # wrapped by an instance-level forward, or of a plain function, would land in TEMP
+        # op by op, between the hooks of its submodules. In backward, autograd runs its nodes
+        # with grad mode off (unless create_graph), and checkpoint re-enables it for the
+        # recomputation: so a grad-enabled op in backward is a recomputed activation.
+        if not self._in_ac and torch.is_grad_enabled() and self._mod_tracker.is_bw:
+            self._in_ac = True
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._in_ac = False
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _update_peak_stats(self, peak_state: Any) -> None:  # private hook of MemTracker
         super()._update_peak_stats(peak_state)
         for dev_snap in self._curr_mem_snap.values():

@@ -12,27 +12,27 @@ the least recompute FLOPs whose predicted activation peak fits, exactly: a
 dynamic programme, no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and
 no ``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).
 
-The peak model, in activation bytes as MemTracker counts them (storages made by
-ops in forward, or by recomputation in backward)::
+The peak model (``planner.py``), in activation bytes as MemTracker counts them
+(storages made by ops in forward, or by recomputation in backward), with the
+layers in the order they first run::
 
-    peak = rest + sum(kept[layer][option]) + max(rest_transient, max(transient[layer][option]))
+    peak = max(max_i(rest + kept[1] + ... + kept[i] + transient[i]), rest + sum(kept) + rest_transient)
 
 At any moment of a step the live activations split in two. Those kept for
-backward are at most ``rest + sum(kept)``. The others are temporaries of
-whatever runs at that moment: while a layer runs (its forward, or its
-recomputation in backward, when a checkpointed layer holds its full
-activations for a moment) that layer's transient, the largest amount measured;
-outside the layers (embedding, head, loss) the rest's transient. In backward,
-outside recomputation, autograd makes no activations and only frees them, so no
-new maximum arises there. Two rules keep each layer's numbers independent of
-its neighbours' options: a layer's inputs count as kept by it under every
-option (checkpointing holds them; without it a layer usually saves them), and
-what a layer makes but a later layer keeps (its output) counts in its transient.
-The model is an upper bound, not a timeline: it adds every layer's kept bytes
-to every transient, although a layer's forward runs before later layers keep
-anything and its recomputation after they have freed theirs. On the small
-GPTs of the tests it lies 2-5 % above MemTracker's act peak without
-checkpointing and 13-31 % above with it (tests/test_auto.py checks the bound).
+backward: the rest's, and those of the layers that have run forward and not
+yet run backward, so while layer ``i`` runs or recomputes at most
+``rest + kept[1..i]``. The others are temporaries of whatever runs at that
+moment: that layer's transient (the largest amount measured, forward or
+recomputation, when a checkpointed layer holds its full activations for a
+moment), or outside the layers (embedding, head, loss) the rest's transient.
+In backward, outside recomputation, autograd makes no activations and only
+frees them, so no new maximum arises there. Two rules keep each layer's
+numbers independent of its neighbours' options: a layer's inputs count as kept
+by it under every option (checkpointing holds them; without it a layer usually
+saves them), and what a layer makes but a later layer keeps (its output) counts
+in its transient. The model assumes backward visits the layers in reverse
+order (a chain of blocks, as in every example and the models it is meant for);
+tests check it bounds MemTracker's act peak on the GPT and the ResNet.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class _Recorder(TorchDispatchMode):
         self.counting = True
         self.flops: dict[str, int] = defaultdict(int)
         self.counter: FlopCounterMode | None = None
+        self.order: list[str] = []  # the layers in the order they first ran forward
 
     def _uid(self, t: torch.Tensor, *, create: bool) -> int | None:
         try:
@@ -133,6 +134,8 @@ class _Recorder(TorchDispatchMode):
         def run(*args: Any, **kwargs: Any) -> Any:
             recompute = not self.counting  # only backward stops counting; only recomputation runs forwards there
             if not recompute:
+                if name not in self.order:
+                    self.order.append(name)
                 # Checkpoint holds the inputs for recomputation; count them kept under every
                 # option (without checkpointing a layer usually saves its input anyway), so that
                 # what one layer keeps never depends on another's option.
@@ -167,7 +170,9 @@ class _Recorder(TorchDispatchMode):
                 owners[ev[1]].add(ev[2])
         kept_by: dict[str, int] = defaultdict(int)
         for uid, names in owners.items():
-            for name in names:
+            # Kept by the rest too (the stem's output, also the first layer's input): alive as long
+            # as the rest keeps it, whatever the layer's option, so counted once, in the rest.
+            for name in ({REST} if REST in names else names):
                 kept_by[name] += self.sizes[uid]
         frozen = {uid: frozenset(names) for uid, names in owners.items()}
         live = kept = peak = 0
@@ -266,7 +271,8 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> P
     names = list(dict.fromkeys(names))
     _check_names(model, names)
     with checkpointing_disabled(model):
-        memory = {option: _step(model, names, forward, option, flops=False).analyse() for option in OPTIONS}
+        recorders = {option: _step(model, names, forward, option, flops=False) for option in OPTIONS}
+        memory = {option: recorder.analyse() for option, recorder in recorders.items()}
         flops = {option: _step(model, names, forward, option, flops=True).flops if option != "keep" else {}
                  for option in OPTIONS}
     layers = [
@@ -276,6 +282,9 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> P
         })
         for name in names
     ]
+    # The planner's peak model follows the order the layers run in; layers that never ran go last.
+    ran = recorders["keep"].order
+    layers.sort(key=lambda layer: ran.index(layer.name) if layer.name in ran else len(ran))
     return Profile(
         layers=layers,
         rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),

@@ -32,7 +32,8 @@ def running_stats(module: nn.Module) -> list[tuple[nn.Module, str]]:
 @contextlib.contextmanager
 def keep_running_stats(stats: list[tuple[nn.Module, str]]) -> Iterator[None]:
     """Undo whatever the recomputation writes into running-statistics buffers."""
-    saved = [(m, name, getattr(m, name).clone()) for m, name in stats if m.training]
+    with torch.no_grad():  # a snapshot, not an activation: no graph, and MemTracker files it as temporary
+        saved = [(m, name, getattr(m, name).clone()) for m, name in stats if m.training]
     try:
         yield
     finally:

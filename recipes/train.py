@@ -4,6 +4,8 @@
     python recipes/train.py ckpt.layers=TransformerBlock ckpt.every_n=2
     python recipes/train.py model=resnet ckpt.layers=ResStage
     python recipes/train.py ckpt=none                          # the same run without checkpointing
+    python recipes/train.py trainer=ddp trainer.accelerator=cpu trainer.devices=2
+    python recipes/train.py 'callbacks=[activation_checkpointing,model_checkpoint]' ckpt_path=last   # resumable
 
 Configs: configs/ (train.yaml and the groups ckpt, callbacks, model, data, trainer).
 """
@@ -28,7 +30,9 @@ def main(cfg: DictConfig) -> None:
         callbacks.append(instantiate(node))
     rank_zero_info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
-    trainer.fit(model, datamodule=datamodule)
+    # ckpt_path=last resumes from ModelCheckpoint's last.ckpt if there is one (else starts afresh):
+    # the same command starts a run and restarts it after a kill or a preemption.
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
 
 
 if __name__ == "__main__":

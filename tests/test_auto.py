@@ -92,8 +92,10 @@ def _all_choices(layers, rest, rest_transient):
     """(peak, (flops, level), choices) of every one of the 3^L choices."""
     out = []
     for combo in itertools.product(*(list(layer.options.items()) for layer in layers)):
-        transient = max([rest_transient] + [c.transient_bytes for _, c in combo])
-        peak = rest + sum(c.kept_bytes for _, c in combo) + transient
+        # The peak model written out: while layer i runs, layers 1..i keep; after the last, the rest's transient.
+        prefix = list(itertools.accumulate(c.kept_bytes for _, c in combo))
+        peak = max([rest + prefix[-1] + rest_transient] + [rest + k + c.transient_bytes
+                                                            for k, (_, c) in zip(prefix, combo)])
         flops = sum(c.recompute_flops for _, c in combo)
         out.append((peak, (flops, _level(o for o, _ in combo)), tuple(o for o, _ in combo)))
     return out
