@@ -16,8 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage, shared by views (``untyped_storage`` is public)."""
-    st = t.untyped_storage()
-    return (str(t.device), st.data_ptr()) if st.data_ptr() else (str(t.device), id(st))
+    try:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+    except (NotImplementedError, RuntimeError):  # wrapper subclasses (FSDP2's DTensor parameters) have none
+        return (str(t.device), id(t))
+    return (str(t.device), ptr) if ptr else (str(t.device), id(st))
 
 
 class CategoryPeakTracker(MemTracker):
@@ -80,6 +84,13 @@ def close_region(gen: Any) -> None:
     except StopIteration:
         return
     raise AssertionError("a checkpoint region generator yielded twice")
+
+
+def checkpoint_wrapper_type() -> type:
+    """torch's ``CheckpointWrapper`` (what FSDP's activation_checkpointing_policy inserts)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # private module
+
+    return CheckpointWrapper
 
 
 # -- for selective checkpointing's dispatch modes (policies.py) --

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from .config import as_keys, make_config
 from .measure import SavedCounter
 from .report import WrapReport, wrap_report
+from .strategies import prepare
 from .wrapping import apply_config, call_args, policy_of, remove_checkpointing
 
 
@@ -52,6 +53,7 @@ class ActivationCheckpointing(pl.Callback):
         if self.config.mode == "none":
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
+        prepare(trainer.strategy, pl_module, self.config)
         forward = self._example_forward(trainer, pl_module)
         self.wrapped = apply_config(pl_module, self.config, forward)
         self._policy = policy_of(pl_module)

@@ -118,16 +118,39 @@ class FullConfig(LayerSelection):
     segments: Any = None
     # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
     offload: bool = False
+    # null: torch's checkpoint. DeepSpeed's own checkpoint and its options (ckpt=deepspeed): a mapping
+    # of partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
+    # synchronize_checkpoint_boundary, profile.
+    deepspeed: Any = None
 
     def __post_init__(self) -> None:
         from .sequential import segment_problems
 
-        raise_problems(
-            self._problems()
-            + _check_bool("preserve_rng_state", self.preserve_rng_state)
-            + segment_problems(self.segments)
-            + _check_bool("offload", self.offload)
-        )
+        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
+        problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
+        raise_problems(problems + self._deepspeed_problems())
+
+    def _deepspeed_problems(self) -> list[str]:
+        from .deepspeed_ckpt import settings_of
+
+        try:
+            self.deepspeed = settings_of(self.deepspeed)
+        except ValueError as err:
+            return [str(err)]
+        if self.deepspeed is None:
+            return []
+        problems = self.deepspeed.problems()
+        with_ds = "with ckpt.deepspeed (DeepSpeed's own checkpoint)"
+        if self.segments is not None:
+            problems.append(f"ckpt.segments={self.segments} cannot be combined {with_ds}: it checkpoints "
+                            "layer by layer; drop ckpt.segments")
+        if self.offload is True:
+            problems.append(f"ckpt.offload=true cannot be combined {with_ds}: use "
+                            "ckpt.deepspeed.cpu_checkpointing=true (with partition_activations=true)")
+        if self.preserve_rng_state is False:
+            problems.append(f"ckpt.preserve_rng_state=false cannot be combined {with_ds}: DeepSpeed's "
+                            "checkpoint always replays the RNG state")
+        return problems
 
 
 @dataclass(kw_only=True)

@@ -36,6 +36,13 @@ class SavedBytes:
         return sum(self.by_owner.values())
 
 
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (``weight.t()`` for a matmul). Sharding strategies gather
+    parameters into fresh storage for the forward (FSDP, FSDP2, ZeRO-3), so storage identity
+    with ``model.parameters()`` taken between steps does not find them; the object does."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
 class SavedCounter:
     """Counts each storage once, under the owner active when it was first seen."""
 
@@ -46,6 +53,8 @@ class SavedCounter:
         self.result = SavedBytes()
 
     def add(self, t: torch.Tensor) -> None:
+        if is_parameter(t):
+            return
         key = storage_key(t)
         if key in self.seen:
             return

@@ -64,7 +64,7 @@ def _parse(text: str, names: list[str], problems: list[str]) -> _Selector | None
     if any(c in text for c in "*?["):
         return _Selector(text, lambda name, _m: fnmatch.fnmatchcase(name, text), "glob")
     if "." not in text:
-        return _Selector(text, lambda _n, module: type(module).__name__ == text, "class name")
+        return _Selector(text, _has_class_named(text), "class name")
     if text in names:
         return _Selector(text, lambda name, _m: name == text, "module name")
     cls = _import_class(text)
@@ -94,6 +94,12 @@ def _nothing_matched(sel: _Selector, model: nn.Module, names: list[str]) -> str:
         f"ckpt.layers: the {sel.what} {sel.text!r} matches no module name in "
         f"{type(model).__name__}; module names, closest first: {_shown(closest_first(sel.text, names))}"
     )
+
+
+def _has_class_named(text: str) -> Callable[[str, nn.Module], bool]:
+    # The class or a base: FSDP2's fully_shard swaps a module's class for a subclass
+    # (TransformerBlock -> FSDPTransformerBlock) that must still match its own name.
+    return lambda _n, module: any(c.__name__ == text for c in type(module).__mro__)
 
 
 def select_layers(model: nn.Module, selection: LayerSelection) -> list[str]:

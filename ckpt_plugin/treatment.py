@@ -19,6 +19,7 @@ class Treatment:
     preserve_rng_state: bool = True
     policy: Any = None  # a policies.SelectivePolicy, shared by every module it wraps
     offload: bool = False
+    deepspeed: Any = None  # deepspeed_ckpt.DeepSpeedCheckpointing: DeepSpeed's checkpoint instead of torch's
 
     @classmethod
     def of(cls, config: CkptConfig) -> Treatment:
@@ -32,6 +33,7 @@ class Treatment:
             preserve_rng_state=getattr(config, "preserve_rng_state", True),
             policy=policy,
             offload=config.mode == "offload" or getattr(config, "offload", False),
+            deepspeed=getattr(config, "deepspeed", None),
         )
 
     def offloading(self) -> contextlib.AbstractContextManager:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from . import deepspeed_ckpt
 from .chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
 from .config import CkptConfig, make_config, raise_problems
 from .norms import running_stats
@@ -43,19 +44,22 @@ class CheckpointedForward:
     instance-level one somebody else set, which ``remove`` puts back).
     """
 
-    __slots__ = ("inner", "previous", "treatment", "_context_fn")
+    __slots__ = ("inner", "previous", "treatment", "_context_fn", "_stats")
 
     def __init__(self, module: nn.Module, treatment: Treatment) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.treatment = treatment
-        self._context_fn = treatment.context_fn(running_stats(module))
+        self._stats = running_stats(module)
+        self._context_fn = treatment.context_fn(self._stats)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
         with t.offloading():  # outside checkpoint: offloads what checkpointing still keeps
             if not t.checkpointing:
                 return self.inner(*args, **kwargs)
+            if t.deepspeed is not None:
+                return deepspeed_ckpt.checkpointed_call(self.inner, self._stats, *args, **kwargs)
             # kwargs travel in a partial so that a forward argument can never
             # collide with checkpoint's own keywords (``context_fn``, ...).
             fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner

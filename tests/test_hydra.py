@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from ckpt_plugin import ActivationCheckpointing
 from ckpt_plugin.config import MODES
+from ckpt_plugin.deepspeed_ckpt import DeepSpeedCheckpointing
 from ckpt_plugin.examples.data import ImageData, TextData
 from ckpt_plugin.examples.gpt import GPT
 from ckpt_plugin.examples.resnet import ResNet
@@ -272,7 +273,7 @@ def test_ckpt_preset_instantiates_the_callback(name: str) -> None:
 PRESET_NEEDS = {"auto": ["ckpt.budget=0.5"]}
 
 # The presets that are not a mode's own file, and what each must set beyond its mode.
-PRESET_MODES = {"names": "selective", "segments": "full", "recursive": "full"}
+PRESET_MODES = {"names": "selective", "segments": "full", "recursive": "full", "deepspeed": "full"}
 
 
 def test_refining_presets_set_their_keys() -> None:
@@ -280,6 +281,8 @@ def test_refining_presets_set_their_keys() -> None:
     assert (names.policy, list(names.save_names)) == ("names", ["attn_out"])
     assert instantiate(compose_train("ckpt=segments").callbacks.activation_checkpointing).config.segments == "sqrt"
     assert instantiate(compose_train("ckpt=recursive").callbacks.activation_checkpointing).config.segments == "recursive"
+    deepspeed = instantiate(compose_train("ckpt=deepspeed").callbacks.activation_checkpointing).config.deepspeed
+    assert deepspeed == DeepSpeedCheckpointing()  # every option present, at DeepSpeed's defaults
 
 
 MODEL_CLASSES = {"gpt": (GPT, TextData), "resnet": (ResNet, ImageData)}
@@ -313,13 +316,35 @@ def test_data_preset_instantiates(name: str) -> None:
         assert type(data) is DATA_CLASSES[name]
 
 
+# Presets whose Lightning strategy refuses CPU: their strategy is built on its own here;
+# tests/test_strategies.py trains with each through a CPU subclass.
+GPU_ONLY = {"fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"}
+STRATEGIES = {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "model_parallel": "ModelParallelStrategy",
+              "deepspeed_zero1": "DeepSpeedStrategy", "deepspeed_zero2": "DeepSpeedStrategy",
+              "deepspeed_zero3": "DeepSpeedStrategy", "deepspeed_zero3_offload": "DeepSpeedStrategy"}
+
+
 @pytest.mark.parametrize("name", _presets("trainer"))
 def test_trainer_preset_instantiates(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # whatever a Trainer writes lands here
     cfg = compose_train(f"trainer={name}")
+    if name in GPU_ONLY:
+        strategy = instantiate(cfg.trainer.strategy)
+        assert type(strategy).__name__ == STRATEGIES[name]
+        return
     trainer = instantiate(cfg.trainer, accelerator="cpu")
     assert isinstance(trainer, pl.Trainer)
     assert trainer.max_steps == cfg.trainer.get("max_steps", -1)
+    if name in STRATEGIES:
+        assert type(trainer.strategy).__name__ == STRATEGIES[name]
+
+
+def test_deepspeed_presets_set_their_stage() -> None:
+    for stage in (1, 2, 3):
+        assert instantiate(compose_train(f"trainer=deepspeed_zero{stage}").trainer.strategy).config["zero_optimization"]["stage"] == stage
+    offload = instantiate(compose_train("trainer=deepspeed_zero3_offload").trainer.strategy)
+    zero = offload.config["zero_optimization"]
+    assert (zero["stage"], zero["offload_optimizer"]["device"], zero["offload_param"]["device"]) == (3, "cpu", "cpu")
 
 
 # --------------------------------------------------------------------------------------

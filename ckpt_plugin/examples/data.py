@@ -4,6 +4,9 @@
   for the GPT, next-character targets.
 - ``ImageData``: images of ``num_classes`` fixed random patterns plus noise for
   the ResNet, so the loss can fall.
+
+Both hand out a ``ResumableDataLoader``: a run resumed from a mid-epoch
+checkpoint (``ckpt_path=last``) goes on from the batch after the saved step.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from importlib.resources import files
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
+
+from ckpt_plugin.resume import ResumableDataLoader
 
 VOCAB_SIZE = 96  # '\n' -> 0, printable ASCII ' '..'~' -> 1..95
 
@@ -44,9 +49,10 @@ class TextData(pl.LightningDataModule):
         super().__init__()
         self.block_size, self.batch_size, self.num_samples = block_size, batch_size, num_samples
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         text = files("ckpt_plugin.examples").joinpath("corpus.txt").read_text(encoding="utf-8")
-        return DataLoader(_Windows(encode(text), self.block_size, self.num_samples), batch_size=self.batch_size)
+        windows = _Windows(encode(text), self.block_size, self.num_samples)
+        return ResumableDataLoader(windows, batch_size=self.batch_size)
 
 
 class ImageData(pl.LightningDataModule):
@@ -57,9 +63,9 @@ class ImageData(pl.LightningDataModule):
         self.image_size, self.num_classes = image_size, num_classes
         self.batch_size, self.num_samples, self.seed = batch_size, num_samples, seed
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         g = torch.Generator().manual_seed(self.seed)
         patterns = torch.randn(self.num_classes, 3, self.image_size, self.image_size, generator=g)
         labels = torch.randint(self.num_classes, (self.num_samples,), generator=g)
         images = patterns[labels] + 0.5 * torch.randn(self.num_samples, 3, self.image_size, self.image_size, generator=g)
-        return DataLoader(TensorDataset(images, labels), batch_size=self.batch_size)
+        return ResumableDataLoader(TensorDataset(images, labels), batch_size=self.batch_size)

@@ -12,6 +12,7 @@ users do.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -69,6 +70,22 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def shard_blocks(model: nn.Module, blocks: nn.ModuleList, mesh: Any) -> None:
+    """FSDP2 ``fully_shard`` on each block, then on the whole model, over the data-parallel mesh.
+
+    The blocks keep their class name for ``ckpt.layers`` (fully_shard makes
+    them ``FSDPTransformerBlock``, a subclass, which the selection matches).
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):  # configure_model may run more than once
+        return
+    dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+    for block in blocks:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+
+
 class GPT(pl.LightningModule):
     def __init__(
         self,
@@ -103,6 +120,8 @@ class GPT(pl.LightningModule):
     def configure_model(self) -> None:
         if self.hparams.defer_init and not hasattr(self, "blocks"):
             self._build()
+        if self.device_mesh is not None:  # trainer=model_parallel: shard with FSDP2, block by block
+            shard_blocks(self, self.blocks, self.device_mesh)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape

@@ -1,0 +1,117 @@
+"""DeepSpeed's own activation checkpointing, reachable from the ``ckpt`` node.
+
+    python recipes/train.py trainer=deepspeed_zero3 ckpt=deepspeed ckpt.deepspeed.partition_activations=true
+
+By default the plugin checkpoints with torch's non-reentrant
+``torch.utils.checkpoint`` under every strategy, DeepSpeed included: it is
+correct under ZeRO-3, where ``deepspeed.checkpointing.non_reentrant_checkpoint``
+is not (it keeps parameters ZeRO-3 has released; see notes/distributed-cpu.md).
+DeepSpeed's options (partitioning activations across model-parallel ranks,
+keeping them in CPU memory, a contiguous buffer) work only inside DeepSpeed's
+own ``deepspeed.checkpointing.checkpoint`` (reentrant); ``ckpt.deepspeed``
+switches the wrapped layers to it and configures it with every option.
+
+Lightning's ``DeepSpeedStrategy`` passes only four of the six options on to
+``deepspeed.checkpointing.configure`` and drops ``number_checkpoints`` and
+``synchronize_checkpoint_boundary`` (Lightning#20329), and it never applies
+checkpointing to the model (Lightning#9152, #11081): the callback calls
+``configure`` itself, after the strategy has, with all six.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .norms import keep_running_stats
+
+
+@dataclass(kw_only=True)
+class DeepSpeedCheckpointing:
+    """``ckpt.deepspeed``: the options of ``deepspeed.checkpointing.configure``, under DeepSpeed's config names."""
+
+    partition_activations: bool = False  # split each kept input across model-parallel ranks
+    cpu_checkpointing: bool = False  # keep the (partitioned) inputs in CPU memory
+    contiguous_memory_optimization: bool = False  # copy them into one preallocated buffer
+    number_checkpoints: Any = None  # checkpoints per forward: the buffer's size (contiguous needs it)
+    synchronize_checkpoint_boundary: bool = False  # synchronize the device at each checkpoint's start and end
+    profile: bool = False  # log the forward and backward time of each checkpoint
+
+    def problems(self) -> list[str]:
+        problems = [f"ckpt.deepspeed.{f.name}={getattr(self, f.name)!r} ({type(getattr(self, f.name)).__name__}) "
+                    "must be true or false"
+                    for f in fields(self) if f.name != "number_checkpoints" and not isinstance(getattr(self, f.name), bool)]
+        n = self.number_checkpoints
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            problems.append(f"ckpt.deepspeed.number_checkpoints={n!r} must be null or an integer >= 1 "
+                            "(the number of checkpointed layers in one forward)")
+        # DeepSpeed asserts these inside configure(), in every process after launch; say so before.
+        if self.contiguous_memory_optimization is True:
+            if n is None:
+                problems.append("ckpt.deepspeed.contiguous_memory_optimization=true needs "
+                                "ckpt.deepspeed.number_checkpoints (the number of checkpointed layers, "
+                                "e.g. the model's n_layer): DeepSpeed sizes the contiguous buffer from it")
+            if self.partition_activations is not True:
+                problems.append("ckpt.deepspeed.contiguous_memory_optimization=true needs "
+                                "ckpt.deepspeed.partition_activations=true (DeepSpeed keeps only "
+                                "partitioned activations in the contiguous buffer)")
+        return problems
+
+
+def settings_of(value: Any) -> DeepSpeedCheckpointing | None:
+    """``ckpt.deepspeed`` as given (None, a mapping or the dataclass) to the dataclass; unknown keys raise."""
+    if value is None or isinstance(value, DeepSpeedCheckpointing):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"ckpt.deepspeed={value!r} must be null or a mapping of DeepSpeed's checkpointing options "
+                         f"({', '.join(f.name for f in fields(DeepSpeedCheckpointing))}); e.g. ckpt=deepspeed")
+    valid = [f.name for f in fields(DeepSpeedCheckpointing)]
+    unknown = [k for k in value if k not in valid]
+    if unknown:
+        raise ValueError(f"unknown key ckpt.deepspeed.{unknown[0]}; valid keys: {', '.join(valid)}")
+    return DeepSpeedCheckpointing(**value)
+
+
+def configure(settings: DeepSpeedCheckpointing) -> None:
+    """``deepspeed.checkpointing.configure`` with every option (needs the process group)."""
+    import deepspeed
+
+    deepspeed.checkpointing.configure(
+        mpu_=None,
+        partition_activations=settings.partition_activations,
+        contiguous_checkpointing=settings.contiguous_memory_optimization,
+        num_checkpoints=settings.number_checkpoints,
+        checkpoint_in_cpu=settings.cpu_checkpointing,
+        synchronize=settings.synchronize_checkpoint_boundary,
+        profile=settings.profile,
+    )
+
+
+def checkpointed_call(fn: Callable[..., Any], stats: list, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under ``deepspeed.checkpointing.checkpoint``.
+
+    DeepSpeed's checkpoint takes no ``context_fn``: the BatchNorm fix
+    (pytorch#96136) wraps the function instead, undoing what its second call,
+    the recomputation, writes into running statistics.
+    """
+    import deepspeed
+
+    calls = 0
+
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*inner_args, **inner_kwargs)
+        with keep_running_stats(stats):
+            return fn(*inner_args, **inner_kwargs)
+
+    return deepspeed.checkpointing.checkpoint(run, *args, **kwargs)  # it passes keyword tensors on itself
+
+
+def strategy_settings(strategy: Any) -> dict[str, Any]:
+    """The activation-checkpointing options set (true) in a DeepSpeedStrategy's config, else {}."""
+    config = getattr(strategy, "config", None)
+    section = config.get("activation_checkpointing") if isinstance(config, dict) else None
+    return {k: v for k, v in (section or {}).items() if v}

@@ -1,0 +1,169 @@
+"""Exact resume from a mid-epoch checkpoint: the two states Lightning's checkpoint leaves out.
+
+    python recipes/train.py 'callbacks=[activation_checkpointing,model_checkpoint]' ckpt_path=last
+
+A Lightning (2.6) checkpoint holds the weights, the optimizer, the loop counters
+and each callback's ``state_dict``. A run killed mid-epoch and resumed from it
+still drifts from one never interrupted, for two reasons:
+
+- **The dataloader starts the epoch again.** The fit loop saves a train
+  loader's position only if the loader itself has ``state_dict`` and
+  ``load_state_dict`` (``CombinedLoader._state_dicts``); a plain ``DataLoader``
+  replays the epoch from its first batch, and Lightning warns "your dataloader
+  is not resumable". ``ResumableDataLoader`` counts the batches it has handed
+  out this epoch and, once restored, skips as many.
+- **The random streams start from the seed again.** Lightning saves no RNG
+  state, so dropout masks after the resume are those of the run's first steps.
+  ``ResumableRNG`` saves the torch (CPU and the rank's GPU), numpy and Python
+  generators of every rank and gives each rank its own back.
+
+Both are in ``callbacks=model_checkpoint`` (the callback) and the example
+``TextData`` (the loader); with them the resumed losses equal the uninterrupted
+run's bit for bit (``tests/test_resume.py``: 2 processes, SIGKILL, resume).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["ResumableDataLoader", "ResumableRNG"]
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a map-style dataset that Lightning resumes mid-epoch.
+
+    Under DDP Lightning builds a new loader of this class with the same
+    arguments and a ``DistributedSampler``, and loads the checkpoint's state
+    into that one. The state is the batches handed out in the current epoch,
+    the same on every rank (``DistributedSampler`` gives each rank as many), so
+    the one state rank 0 writes fits all; with it go the sampler's epoch and
+    the loader's own generator (see ``__init__``; under DDP it only seeds
+    workers, and rank 0's serves every rank).
+
+    Skipped batches are read and dropped, not skipped by index: simple, and
+    cheap for in-memory data. A loader whose batches are costly to read would
+    rather skip indices, as torchdata's ``StatefulDataLoader`` does.
+    """
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"ResumableDataLoader needs a map-style dataset; got the IterableDataset {type(dataset).__name__}, "
+                "whose position only the dataset itself can save (torchdata's StatefulDataLoader)"
+            )
+        if kwargs.get("generator") is None:
+            # iter() draws the workers' base seed (and a RandomSampler its order) from this generator: without
+            # one, from torch's global one, at a point a resumed run reaches before ResumableRNG restores it.
+            kwargs["generator"] = torch.Generator().manual_seed(torch.initial_seed())
+        super().__init__(dataset, *args, **kwargs)
+        self._yielded = 0  # batches handed out in the current epoch
+        self._generator_at_iter = self.generator.get_state()  # before the current epoch's iter() drew from it
+        self._to_load: dict[str, Any] | None = None  # from load_state_dict until the next iter()
+
+    def __iter__(self) -> Iterator[Any]:
+        skip = 0
+        if self._to_load is not None:
+            state, self._to_load = self._to_load, None
+            # A checkpoint on an epoch's last batch holds len(self): the restored run starts the next epoch whole.
+            skip = state["batches_yielded"] % len(self) if len(self) else 0
+            self.generator.set_state(state["generator_at_iter"] if skip else state["generator"])
+            if skip and hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(state["sampler_epoch"])  # Lightning sets it after iter(), too late for skipping
+        self._generator_at_iter = self.generator.get_state()
+        batches = super().__iter__()
+        for _ in range(skip):  # here, before ResumableRNG restores the RNG: what a dataset draws was drawn before the save
+            next(batches)
+        self._yielded = skip
+        return self._counted(batches)
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "batches_yielded": self._yielded,
+            "sampler_epoch": getattr(self.sampler, "epoch", 0),  # DistributedSampler's, set by Lightning
+            "generator_at_iter": self._generator_at_iter,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_load = state_dict
+
+
+class ResumableRNG(pl.Callback):
+    """Save every rank's random generators in the checkpoint; give each its own back on resume.
+
+    >>> trainer = Trainer(callbacks=[ModelCheckpoint(save_last=True), ResumableRNG()])
+
+    Rank 0 writes the checkpoint, but each rank draws its own dropout masks, so
+    ``state_dict`` gathers the states of all ranks (a collective: every rank
+    saves, as Lightning's ``trainer.save_checkpoint`` requires anyway).
+    They are set back in ``on_train_start``: after everything that draws at the
+    start of a run (model init, ``on_fit_start`` forwards, a plain
+    ``DataLoader``'s ``iter()``) and before the first batch is fetched, which
+    is where the saving run's generators stood after its last saved step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._device: torch.device | None = None  # this rank's device, for its CUDA generator
+        self._to_restore: list[dict[str, Any]] | None = None  # per rank, from load_state_dict until on_train_start
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._device = trainer.strategy.root_device
+
+    def state_dict(self) -> dict[str, Any]:
+        mine = self._collect()
+        if dist.is_available() and dist.is_initialized():
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        return {"ranks": ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict["ranks"]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ranks, self._to_restore = self._to_restore, None
+        if ranks is None:
+            return
+        if len(ranks) != trainer.world_size:
+            rank_zero_warn(
+                f"ResumableRNG: the checkpoint holds the random states of {len(ranks)} process(es), this run has "
+                f"{trainer.world_size}; the random streams start from the seed, so the run will not continue exactly"
+            )
+            return
+        self._restore(ranks[trainer.global_rank])
+
+    def _collect(self) -> dict[str, Any]:
+        # Plain tensors, ints and tuples: torch.load(weights_only=True), Lightning's default, reads them.
+        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        states: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "python": random.getstate(),
+        }
+        if self._device is not None and self._device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self._device)
+        return states
+
+    def _restore(self, states: dict[str, Any]) -> None:
+        torch.set_rng_state(states["torch"])
+        name, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        random.setstate(states["python"])
+        if "cuda" in states and self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_rng_state(states["cuda"], self._device)

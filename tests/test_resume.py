@@ -1,0 +1,246 @@
+"""Surviving a kill (issue 5): a 2-process run killed with SIGKILL and restarted with
+``ckpt_path=last`` goes on with exactly the losses of a run never interrupted.
+
+The recipe runs as a user runs it (real Hydra, real Lightning, DDP over gloo on
+CPU), dropout on. The kill lands at a random step, drawn from a seed printed
+with the results; ``CKPT_RESUME_SEED=<seed> pytest tests/test_resume.py``
+replays it. Epochs are 6 steps and last.ckpt is written every 3, so the resume
+point is mid-epoch or on an epoch's last batch depending on the draw.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import RECIPE
+from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
+
+from ckpt_plugin.resume import ResumableDataLoader, ResumableRNG
+
+MAX_STEPS = 16
+EVERY = 3  # last.ckpt every 3 optimizer steps
+EPOCH = 6  # batches per rank per epoch: 48 samples / 2 ranks / 4 per batch
+RUN = [
+    "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+    "model.n_layer=2", "model.n_embd=64", "data.block_size=32", "data.batch_size=4", "data.num_samples=48",
+    f"trainer.max_steps={MAX_STEPS}", "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+    "callbacks=[activation_checkpointing,model_checkpoint]", f"callbacks.model_checkpoint.every_n_train_steps={EVERY}",
+    "ckpt_path=last",  # the same command starts the run and restarts it
+]  # fmt: skip
+NO_LAST = 'ckpt_path="last") is set, but there is no last checkpoint available'
+NOT_RESUMABLE = "your dataloader is not resumable"
+
+
+def _command(logs: str) -> list[str]:
+    # Each start logs to its own folder (one metrics.csv each); checkpoints/ is the same for the killed run's restart.
+    logger = f"{{_target_:lightning.pytorch.loggers.CSVLogger,save_dir:{logs},name:'',version:'',flush_logs_every_n_steps:1}}"
+    return [sys.executable, str(RECIPE), f"hydra.run.dir=hydra/{logs}", *RUN, f"trainer.logger={logger}"]
+
+
+def _start(cwd: Path, logs: str) -> subprocess.Popen:
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    out = open(cwd / f"{logs}.out", "w")  # noqa: SIM115 - the child writes to it; closed with the process
+    # A session of its own: rank 1 is rank 0's child, and SIGKILL to the group takes both.
+    return subprocess.Popen(_command(logs), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, cwd: Path, logs: str) -> str:
+    proc.wait(timeout=300)
+    out = (cwd / f"{logs}.out").read_text()
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _losses(csv_file: Path) -> dict[int, str]:
+    """{step: train_loss as written}, complete lines only (the file may be mid-write)."""
+    if not csv_file.exists():
+        return {}
+    text = csv_file.read_text()
+    rows = csv.DictReader(text[: text.rfind("\n") + 1].splitlines())
+    return {int(r["step"]): r["train_loss"] for r in rows if r.get("train_loss")}
+
+
+def _kill_group_at(proc: subprocess.Popen, csv_file: Path, step: int) -> int:
+    """SIGKILL the run's process group once ``step`` is logged; the last step logged."""
+    deadline = time.monotonic() + 300
+    while max(_losses(csv_file), default=-1) < step:
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before step {step}"
+        assert time.monotonic() < deadline, f"step {step} not logged in 300 s"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    while True:  # rank 1 too: it is reaped by init, not by us
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "rank 1 outlived SIGKILL to its group"
+        time.sleep(0.02)
+    return max(_losses(csv_file))
+
+
+@dataclass
+class Runs:
+    seed: int
+    kill_step: int  # the step after whose log the kill was sent
+    uninterrupted: dict[int, str]
+    killed: dict[int, str]
+    killed_rc: int
+    killed_out: str
+    resume_step: int  # global_step in last.ckpt when the restart began
+    resumed: dict[int, str]
+    resumed_out: str
+
+    def __str__(self) -> str:
+        end = "the last batch of an epoch" if self.resume_step % EPOCH == 0 else "mid-epoch"
+        return f"seed {self.seed}: killed after step {self.kill_step}, resumed from step {self.resume_step} ({end})"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    seed = int(os.environ.get("CKPT_RESUME_SEED", time.time_ns() % 1_000_000))
+    kill_step = random.Random(seed).randint(EVERY + 1, MAX_STEPS - 3)  # after one last.ckpt, well before the end
+    print(f"test_resume: seed {seed} (CKPT_RESUME_SEED={seed} replays it), kill after step {kill_step}")
+
+    plain = tmp_path_factory.mktemp("uninterrupted")
+    uninterrupted = _finish(_start(plain, "logs"), plain, "logs")
+    assert NO_LAST in uninterrupted
+
+    cwd = tmp_path_factory.mktemp("killed")
+    proc = _start(cwd, "logs_killed")
+    _kill_group_at(proc, cwd / "logs_killed" / "metrics.csv", kill_step)
+    resume_step = torch.load(cwd / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    resumed_out = _finish(_start(cwd, "logs_resumed"), cwd, "logs_resumed")
+
+    result = Runs(
+        seed=seed,
+        kill_step=kill_step,
+        uninterrupted=_losses(plain / "logs" / "metrics.csv"),
+        killed=_losses(cwd / "logs_killed" / "metrics.csv"),
+        killed_rc=proc.returncode,
+        killed_out=(cwd / "logs_killed.out").read_text(),
+        resume_step=resume_step,
+        resumed=_losses(cwd / "logs_resumed" / "metrics.csv"),
+        resumed_out=resumed_out,
+    )
+    print(result)
+    return result
+
+
+def test_resumed_run_has_the_uninterrupted_losses(runs: Runs) -> None:
+    assert sorted(runs.uninterrupted) == list(range(MAX_STEPS)), runs
+    assert sorted(runs.resumed) == list(range(runs.resume_step, MAX_STEPS)), runs
+    # Bitwise: the same ops in the same order on the same processes (the CSV holds each float's repr).
+    diff = {s: (runs.uninterrupted[s], loss) for s, loss in runs.resumed.items() if loss != runs.uninterrupted[s]}
+    assert not diff, f"{runs}: steps whose loss differs (uninterrupted, resumed): {diff}"
+
+
+def test_resume_started_mid_training_from_the_killed_runs_checkpoint(runs: Runs) -> None:
+    assert runs.killed_rc == -signal.SIGKILL, runs
+    assert 0 < runs.resume_step < MAX_STEPS and runs.resume_step % EVERY == 0, runs
+    assert runs.resume_step <= max(runs.killed) + 1, runs  # a checkpoint of the killed run, not a later one
+    assert "Restored all states from the checkpoint at" in runs.resumed_out and "last.ckpt" in runs.resumed_out
+    assert NOT_RESUMABLE not in runs.resumed_out, runs
+
+
+def test_ckpt_path_last_without_a_checkpoint_starts_afresh(runs: Runs) -> None:
+    assert NO_LAST in runs.killed_out, runs
+    assert min(runs.killed) == 0, runs
+    assert runs.killed == {s: runs.uninterrupted[s] for s in runs.killed}, runs
+
+
+# -- the two pieces in-process: fast, and every case rather than one random draw --------------------------------------
+
+DATA = TensorDataset(torch.arange(42))  # 7 batches an epoch for each kind of loader below
+
+
+def _loader(kind: str) -> ResumableDataLoader:
+    if kind == "distributed":  # as Lightning injects it under DDP; shuffled, so that the sampler's epoch matters
+        sampler = DistributedSampler(DATA, num_replicas=2, rank=1, shuffle=True, seed=3)
+        return ResumableDataLoader(DATA, batch_size=3, sampler=sampler)
+    return ResumableDataLoader(DATA, batch_size=6, shuffle=kind == "shuffled")
+
+
+def _batches(loader: ResumableDataLoader, kind: str, start: int, stop: int) -> list[list[int]]:
+    """Batches ``start`` to ``stop`` (counted across epochs), drawn as Lightning's fit loop draws them."""
+    epoch, out = start // len(loader), []
+    it = iter(loader)  # on (re)start: iter() first (FitLoop.setup_data), the sampler's epoch after
+    if kind == "distributed":
+        loader.sampler.set_epoch(epoch)
+    for i in range(start, stop):
+        if i > start and i % len(loader) == 0:  # an epoch is len() batches: the loop never meets StopIteration
+            epoch += 1
+            if kind == "distributed":
+                loader.sampler.set_epoch(epoch)  # between epochs: the sampler's epoch first, then iter()
+            it = iter(loader)
+        out.append(next(it)[0].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sequential", "shuffled", "distributed"])
+@pytest.mark.parametrize("stops", [[5], [7], [14], [3, 5], [8, 17]], ids=lambda s: "-".join(map(str, s)))
+def test_loader_resumes_where_it_stopped(kind: str, stops: list[int]) -> None:
+    """Killed after ``stops[0]`` batches (7: an epoch's last), restored, maybe killed and restored again."""
+    torch.manual_seed(0)
+    expected = _batches(_loader(kind), kind, 0, 21)
+    seen: list[list[int]] = []
+    state, done = None, 0
+    for stop in [*stops, 21]:
+        torch.manual_seed(0)  # a restarted process: the same seed, then draws of its own before the loader is made
+        torch.rand(stop)
+        loader = _loader(kind)
+        if state is not None:
+            loader.load_state_dict(state)
+        seen += _batches(loader, kind, done, stop)
+        done, state = stop, loader.state_dict()
+    assert seen == expected
+
+
+def test_loader_refuses_an_iterable_dataset() -> None:
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(ValueError, match="ResumableDataLoader needs a map-style dataset; got the IterableDataset Stream"):
+        ResumableDataLoader(Stream())
+
+
+def _draws() -> tuple[torch.Tensor, list[float], float]:
+    return torch.rand(3), np.random.rand(3).tolist(), random.random()
+
+
+def test_rng_states_come_back_through_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    callback = ResumableRNG()
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    torch.save({"rng": callback.state_dict()}, tmp_path / "last.ckpt")
+    saved = _draws()
+
+    torch.manual_seed(8), np.random.seed(8), random.seed(8)
+    callback.load_state_dict(torch.load(tmp_path / "last.ckpt", weights_only=True)["rng"])  # Lightning's default
+    callback.on_train_start(SimpleNamespace(world_size=1, global_rank=0), None)
+    restored = _draws()
+    assert torch.equal(restored[0], saved[0]) and restored[1:] == saved[1:]
+
+
+def test_rng_states_of_another_world_size_warn_and_are_left_alone() -> None:
+    callback = ResumableRNG()
+    callback.load_state_dict({"ranks": callback.state_dict()["ranks"] * 2})
+    torch.manual_seed(8)
+    with pytest.warns(UserWarning, match="the checkpoint holds the random states of 2 process"):
+        callback.on_train_start(SimpleNamespace(world_size=1, global_rank=0), None)
+    left_alone = torch.rand(3)
+    torch.manual_seed(8)
+    assert torch.equal(left_alone, torch.rand(3))
