@@ -304,9 +304,9 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup:
     lines += [f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads. "
               "Peaks from MemTracker, FLOPs from FlopCounterMode (one step each); "
               "time ratio: medians (and fastest) of interleaved steps in one process.", "",
-              "Total peaks are exact. The act peak is MemTracker's activation category, which may count "
-              "tensors recomputed inside a wrapped module's own forward as temporaries (a documented "
-              "MemTracker limitation), so it can read lower for plugin-wrapped modes than for `hand`.", ""]
+              "Peaks are exact. The act peak is MemTracker's activation category, with every tensor a "
+              "recomputation makes counted as an activation (MemTracker alone counts it so only inside a "
+              "module whose own forward hooks run again, as in `hand`; see `_compat.CategoryPeakTracker`).", ""]
     for model, rows in results.items():
         lines += [f"## {model}", "", setup[model], ""]
         lines += ["| mode | act peak (MiB) | act / none | total peak (MiB) | total / none | FLOP ratio "

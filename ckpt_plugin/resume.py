@@ -80,7 +80,8 @@ class ResumableDataLoader(DataLoader):
                 self.sampler.set_epoch(state["sampler_epoch"])  # Lightning sets it after iter(), too late for skipping
         self._generator_at_iter = self.generator.get_state()
         batches = super().__iter__()
-        for _ in range(skip):  # here, before ResumableRNG restores the RNG: what a dataset draws was drawn before the save
+        # Skipped here, before ResumableRNG restores the RNG: what a dataset draws for them was drawn before the save.
+        for _ in range(skip):
             next(batches)
         self._yielded = skip
         return self._counted(batches)

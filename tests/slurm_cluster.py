@@ -117,11 +117,13 @@ def unavailable() -> str | None:
     if shutil.which("apt-get") is None:
         return f"cannot install SLURM: no apt-get ({', '.join(missing)} missing)"
     env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
+    for cmd in (["apt-get", "update", "-qq"], install):
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if proc.returncode != 0:
             # Installing was allowed and possible: a failure is an error, not a reason to skip.
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            output = f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output}")
     if missing := _missing():
         raise RuntimeError(f"apt-get installed {PACKAGES} but {missing} are still not found")
     return None

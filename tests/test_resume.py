@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,15 +46,18 @@ NOT_RESUMABLE = "your dataloader is not resumable"
 
 def _command(logs: str) -> list[str]:
     # Each start logs to its own folder (one metrics.csv each); checkpoints/ is the same for the killed run's restart.
-    logger = f"{{_target_:lightning.pytorch.loggers.CSVLogger,save_dir:{logs},name:'',version:'',flush_logs_every_n_steps:1}}"
+    csv_logger = "_target_:lightning.pytorch.loggers.CSVLogger,name:'',version:'',flush_logs_every_n_steps:1"
+    logger = f"{{{csv_logger},save_dir:{logs}}}"  # flushed every step: the kill watches it
     return [sys.executable, str(RECIPE), f"hydra.run.dir=hydra/{logs}", *RUN, f"trainer.logger={logger}"]
 
 
 def _start(cwd: Path, logs: str) -> subprocess.Popen:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    out = open(cwd / f"{logs}.out", "w")  # noqa: SIM115 - the child writes to it; closed with the process
-    # A session of its own: rank 1 is rank 0's child, and SIGKILL to the group takes both.
-    return subprocess.Popen(_command(logs), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(cwd / f"{logs}.out", "w") as out:  # the child keeps its own copy of the file
+        # A session of its own: rank 1 is rank 0's child, and SIGKILL to the group takes both.
+        return subprocess.Popen(
+            _command(logs), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _finish(proc: subprocess.Popen, cwd: Path, logs: str) -> str:
@@ -99,10 +102,10 @@ class Runs:
     uninterrupted: dict[int, str]
     killed: dict[int, str]
     killed_rc: int
-    killed_out: str
     resume_step: int  # global_step in last.ckpt when the restart began
     resumed: dict[int, str]
-    resumed_out: str
+    killed_out: str = field(repr=False)
+    resumed_out: str = field(repr=False)
 
     def __str__(self) -> str:
         end = "the last batch of an epoch" if self.resume_step % EPOCH == 0 else "mid-epoch"
@@ -214,7 +217,7 @@ def test_loader_refuses_an_iterable_dataset() -> None:
         def __iter__(self):
             yield from range(3)
 
-    with pytest.raises(ValueError, match="ResumableDataLoader needs a map-style dataset; got the IterableDataset Stream"):
+    with pytest.raises(ValueError, match="needs a map-style dataset; got the IterableDataset Stream"):
         ResumableDataLoader(Stream())
 
 

@@ -68,8 +68,8 @@ def _sbatch(cluster, recipe: str, out: Path, options: list[str], overrides: list
         str(RECIPES / recipe), "trainer.accelerator=cpu", *TINY, f"hydra.run.dir={out}/run",
         f"callbacks.model_checkpoint.dirpath={out}/checkpoints", f"++trainer.default_root_dir={out}", *overrides,
     ]  # fmt: skip
-    env = _env(cluster)
-    return subprocess.run(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    pipe, merged = subprocess.PIPE, subprocess.STDOUT
+    return subprocess.run(cmd, cwd=ROOT, env=_env(cluster), text=True, stdout=pipe, stderr=merged, timeout=300)
 
 
 def _job_output(out: Path) -> tuple[str, str]:
