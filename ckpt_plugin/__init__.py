@@ -9,16 +9,21 @@ from .functional import checkpoint
 from .offload import offloading
 from .policies import checkpoint_name, make_policy
 from .report import WrapReport
+from .deepspeed_ckpt import DeepSpeedCheckpointing
 from .residuals import SavedActivations, saved_activations
+from .resume import ResumableDataLoader, ResumableRNG
 from .scan import checkpoint_scan
 from .sequential import checkpoint_sequential
 from .wrapping import apply_checkpointing, remove_checkpointing, wrapped_modules
 
 __all__ = [
     "ActivationCheckpointing",
+    "DeepSpeedCheckpointing",
     "FullConfig",
     "NoneConfig",
     "OffloadConfig",
+    "ResumableDataLoader",
+    "ResumableRNG",
     "SavedActivations",
     "SelectiveConfig",
     "WrapReport",
