@@ -25,6 +25,7 @@ run's bit for bit (``tests/test_resume.py``: 2 processes, SIGKILL, resume).
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,10 +33,11 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["ResumableDataLoader", "ResumableRNG"]
+__all__ = ["ResumableDataLoader", "ResumableRNG", "latest_checkpoint"]
 
 
 class ResumableDataLoader(DataLoader):
@@ -168,3 +170,24 @@ class ResumableRNG(pl.Callback):
         random.setstate(states["python"])
         if "cuda" in states and self._device is not None and self._device.type == "cuda":
             torch.cuda.set_rng_state(states["cuda"], self._device)
+
+
+def latest_checkpoint(trainer: pl.Trainer) -> str | None:
+    """The newer of Lightning's two resume points, or None if there is neither.
+
+    ``ModelCheckpoint`` writes ``last.ckpt`` every few steps; on SLURM's warning
+    signal, Lightning's ``SLURMEnvironment`` writes ``hpc_ckpt_<n>.ckpt`` into
+    ``trainer.default_root_dir`` and requeues the job. Lightning 2.6 loads the hpc
+    checkpoint only when ``ckpt_path`` is None, and ``ckpt_path="last"`` looks at
+    ``last.ckpt`` only, so a requeued job would redo the steps since the last
+    ``last.ckpt``. ``recipes/train.py`` resolves ``ckpt_path=last`` with this instead.
+    """
+    candidates = [
+        Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
+        for cb in trainer.checkpoint_callbacks
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath
+    ]
+    hpc = [p for p in Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt") if p.stem.rsplit("_", 1)[1].isdigit()]
+    candidates += sorted(hpc, key=lambda p: int(p.stem.rsplit("_", 1)[1]))[-1:]  # Lightning's own choice of hpc file
+    found = [p for p in candidates if p.is_file()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None

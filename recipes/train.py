@@ -16,6 +16,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
+from ckpt_plugin.resume import latest_checkpoint
+
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> None:
@@ -30,9 +32,13 @@ def main(cfg: DictConfig) -> None:
         callbacks.append(instantiate(node))
     rank_zero_info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
-    # ckpt_path=last resumes from ModelCheckpoint's last.ckpt if there is one (else starts afresh):
-    # the same command starts a run and restarts it after a kill or a preemption.
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    # ckpt_path=last resumes from the newer of ModelCheckpoint's last.ckpt and the hpc checkpoint
+    # that a SLURM requeue saved (else starts afresh, as Lightning says): the same command starts
+    # a run and restarts it after a kill, a preemption or a requeue.
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path == "last":
+        ckpt_path = latest_checkpoint(trainer) or "last"
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
 
 
 if __name__ == "__main__":

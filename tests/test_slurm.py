@@ -159,10 +159,10 @@ def test_sigusr1_requeues_and_the_job_resumes(cluster, tmp_path: Path, capsys) -
     assert f"Requeued SLURM job: {job_id}" in text
     hpc = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
     assert 10 <= hpc["global_step"] < steps
-    # The second start: ckpt_path=last restored checkpoints/last.ckpt (Lightning 2.6 loads the hpc
-    # checkpoint only when ckpt_path is None), so it redid at most every_n_train_steps steps.
+    # The second start: ckpt_path=last restored the newer of the two, the hpc checkpoint saved at the
+    # signal (Lightning alone would take last.ckpt, older: ckpt_path set makes it skip hpc checkpoints).
     restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
-    assert restored == [str(last)]
+    assert restored == [str(tmp_path / "hpc_ckpt_1.ckpt")]
     assert text.count(STOPPED.format(steps)) == 1
     assert torch.load(last, weights_only=False)["global_step"] == steps
 
