@@ -1,14 +1,25 @@
-"""How a wrapped call runs: checkpointed or not, with which selective policy, offloaded or not."""
+"""How a wrapped call runs: checkpointed or not, with which selective policy, offloaded or not.
+
+Eager and compiled calls get different ``context_fn``s. Eager: our own
+selective modes (``policies.py``), the BatchNorm fix (``norms.py``) and the
+recomputation check (``recompute_check.py``). Under ``torch.compile``, dynamo
+turns ``checkpoint`` into a higher-order op, AOTAutograd calls ``context_fn``
+while tracing and accepts only torch's own selective-checkpoint modes (it
+asserts "must generate a tuple of two TorchDispatchModes"): recomputation is
+then the partitioner's business, one graph, decided once, so there is no
+second run to check and no buffer written twice; the policy alone matters.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .config import CkptConfig
 from .norms import keep_running_stats
+from .recompute_check import CallRecord
 
 
 @dataclass(frozen=True)
@@ -43,19 +54,69 @@ class Treatment:
 
         return offloading()
 
-    def context_fn(self, stats: list) -> Callable[[], tuple] | None:
-        """``checkpoint``'s context_fn: the policy's contexts plus the BatchNorm fix."""
-        if self.policy is None and not stats:
+    def context_fn(self, stats: list, label: str | None = None) -> Callable[[], tuple] | None:
+        """``checkpoint``'s eager context_fn: the policy's contexts, the BatchNorm fix and,
+        when ``label`` names the module (``"blocks.1 (TransformerBlock)"``), the check that
+        its recomputation saves what its forward saved."""
+        if self.policy is None and not stats and label is None:
             return None
 
-        def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        def contexts() -> tuple[_Fresh, _Fresh]:
             forward, recompute = self.policy.context_fn() if self.policy else (contextlib.nullcontext(),) * 2
-            return forward, _both(recompute, keep_running_stats(stats))
+            fwd, rec = [lambda: forward], [lambda: recompute, lambda: keep_running_stats(stats)]
+            if label is not None:
+                record = CallRecord(label, stats)  # one per call: a module may run several times per step
+                fwd.append(record.forward)
+                rec.append(record.recompute)
+            return _Fresh(fwd), _Fresh(rec)
 
         return contexts
 
+    def compiled_context_fn(self) -> Callable[[], tuple] | None:
+        """``checkpoint``'s context_fn under ``torch.compile``: None (torch recomputes every
+        op of the region) or torch's selective modes deciding with our policy."""
+        if self.policy is None:
+            return None
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-@contextlib.contextmanager
-def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
-    with first, second:
-        yield
+        policy = self.policy
+
+        def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+            if policy.uses_names:
+                raise ValueError(NAMES_UNDER_COMPILE)
+            return create_selective_checkpoint_contexts(policy)
+
+        # AOTAutograd caches a compiled graph with a context_fn only if the context_fn names
+        # what it does; the policy's repr does (its ops or names).
+        contexts.cache_hash = f"ckpt_plugin {policy!r}"  # type: ignore[attr-defined]
+        return contexts
+
+
+NAMES_UNDER_COMPILE = (
+    "ckpt.policy=names does not work under torch.compile: checkpoint_name tags are emitted only inside "
+    "the plugin's own eager selective modes, which torch.compile replaces by torch's, so no tag would "
+    "be saved. Use ckpt.policy=matmuls or a list of aten ops (these work compiled), or run uncompiled."
+)
+
+
+class _Fresh:
+    """Enters context managers made afresh on every entry.
+
+    checkpoint enters a call's recompute context once per recomputation, and a
+    region is recomputed again by a second backward (``retain_graph=True``) and
+    by a double backward (``create_graph=True``): a generator-based context
+    manager cannot be entered twice.
+    """
+
+    def __init__(self, factories: list[Callable[[], contextlib.AbstractContextManager]]) -> None:
+        self.factories = factories
+        self.stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for make in self.factories:
+                stack.enter_context(make())
+            self.stacks.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self.stacks.pop().__exit__(*exc)

@@ -42,16 +42,22 @@ class CheckpointedForward:
 
     ``inner`` is the forward the module had before (its class's, or an
     instance-level one somebody else set, which ``remove`` puts back).
+    ``name`` is the module's qualified name, for errors: a recomputation that
+    saves something other than its forward did is reported with it
+    (``recompute_check.py``).
     """
 
-    __slots__ = ("inner", "previous", "treatment", "_context_fn", "_stats")
+    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_compiled_context_fn", "_stats")
 
-    def __init__(self, module: nn.Module, treatment: Treatment) -> None:
+    def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.treatment = treatment
+        self.name = name
+        label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
-        self._context_fn = treatment.context_fn(self._stats)
+        self._context_fn = treatment.context_fn(self._stats, label)
+        self._compiled_context_fn = treatment.compiled_context_fn()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
@@ -63,7 +69,9 @@ class CheckpointedForward:
             # kwargs travel in a partial so that a forward argument can never
             # collide with checkpoint's own keywords (``context_fn``, ...).
             fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
-            options = {"context_fn": self._context_fn} if self._context_fn else {}
+            # Dynamo reads this as a constant while tracing: compiled, torch's own modes (treatment.py).
+            context_fn = self._compiled_context_fn if torch.compiler.is_compiling() else self._context_fn
+            options = {"context_fn": context_fn} if context_fn else {}
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 
 
@@ -133,7 +141,7 @@ def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any
     else:
         for name in names:
             module = modules[name]
-            module.__dict__["forward"] = CheckpointedForward(module, treatment)
+            module.__dict__["forward"] = CheckpointedForward(module, treatment, name)
     return names
 
 

@@ -1,0 +1,293 @@
+"""Gradients by any route, and recomputations that do not reproduce their forward.
+
+Non-reentrant checkpointing recomputes inside autograd's unpack hooks, so
+``torch.autograd.grad``, ``inputs=`` subsets, a second backward with
+``retain_graph=True`` and double backward (``create_graph=True``, a gradient
+penalty) all go through it. Each test runs the same float64 step with and
+without the plugin (same weights, data and dropout masks) and asserts bitwise
+equality, and counts calls of each wrapped block's first child to show the
+recomputation really ran.
+
+Then the determinism check (``ckpt_plugin/recompute_check.py``): a wrapped
+module whose recomputation saves tensors of another shape, or fewer or more
+tensors, is reported with its qualified name and class; one that only changes
+values gives a wrong gradient silently (as with torch's own check), unless the
+forward runs inside ``checking_recomputed_values()``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
+from torch import nn
+from torch.utils.checkpoint import CheckpointError, set_checkpoint_early_stop
+
+from ckpt_plugin import apply_checkpointing
+from ckpt_plugin.recompute_check import RecomputationMismatch, checking_recomputed_values
+
+MODELS = {"gpt": "TransformerBlock", "resnet": "Bottleneck"}
+MODES = {
+    "full": {},
+    "selective": {"mode": "selective"},  # policy matmuls
+}
+CASES = [(kind, mode) for kind in MODELS for mode in MODES] + [("gpt", "names")]
+NAMES = {"mode": "selective", "policy": "names", "save_names": ["attn_out"]}
+
+
+def build(kind: str, mode: str | None):
+    """A float64 example model and batch; wrapped with ``mode`` unless it is None."""
+    model = small_gpt(torch.float64, n_layer=2) if kind == "gpt" else small_resnet(torch.float64)
+    batch = gpt_batch(model) if kind == "gpt" else resnet_batch(model, dtype=torch.float64)
+    wrapped = []
+    if mode is not None:
+        keys = NAMES if mode == "names" else MODES[mode]
+        wrapped = apply_checkpointing(model, layers=MODELS[kind], **keys)
+        assert wrapped, "nothing wrapped: the comparison would prove nothing"
+    return model, batch, wrapped
+
+
+def first_child_calls(model: nn.Module, names: list[str]) -> dict[str, list[int]]:
+    """One counter per wrapped module, bumped by its first child: once per forward and per recompute."""
+    modules = dict(model.named_modules())
+    counts = {}
+    for name in names:
+        counts[name] = box = [0]
+        child = next(iter(modules[name].children()))
+        child.register_forward_pre_hook(lambda *_, box=box: box.__setitem__(0, box[0] + 1))
+    return counts
+
+
+def assert_bitwise(expected, got) -> None:
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None, f"item {i}: {a} vs {b}"
+        else:
+            assert torch.equal(a, b), f"item {i} differs: max |diff| {(a - b).abs().max()}"
+
+
+# --------------------------------------------------------------------------- torch.autograd.grad
+
+
+@pytest.mark.parametrize(("kind", "mode"), CASES)
+def test_autograd_grad_equals_plain(kind: str, mode: str) -> None:
+    def grads(mode):
+        model, batch, wrapped = build(kind, mode)
+        calls = first_child_calls(model, wrapped)
+        torch.manual_seed(5)
+        loss = model.loss(batch)
+        g = torch.autograd.grad(loss, list(model.parameters()))
+        assert all(p.grad is None for p in model.parameters()), "autograd.grad must not accumulate .grad"
+        return [loss.detach(), *g], calls
+
+    plain, _ = grads(None)
+    got, calls = grads(mode)
+    assert_bitwise(plain, got)
+    assert all(c == [2] for c in calls.values()), calls  # forward + one recomputation each
+
+
+@pytest.mark.parametrize(("kind", "mode"), CASES)
+def test_inputs_subset_equals_plain(kind: str, mode: str) -> None:
+    """``autograd.grad`` for a subset of parameters plus the model's input, and ``backward(inputs=...)``."""
+
+    def grads(mode):
+        model, batch, _ = build(kind, mode)
+        first = dict(model.named_modules())["blocks.0" if kind == "gpt" else "stages.0.0"]
+        subset = list(first.parameters())
+        if kind == "gpt":
+            x = model.tok_emb.weight  # the tokens are integers: take the embedding table instead
+            inputs = [x, *subset]
+        else:
+            x = batch[0].clone().requires_grad_(True)  # gradient w.r.t. the image (saliency)
+            batch = (x, batch[1])
+            inputs = [x, *subset]
+        torch.manual_seed(5)
+        g = torch.autograd.grad(model.loss(batch), inputs)
+        torch.manual_seed(5)
+        model.loss(batch).backward(inputs=subset)
+        others = [p.grad for p in model.parameters() if all(p is not q for q in subset)]
+        assert all(o is None for o in others), "backward(inputs=...) filled a gradient outside inputs"
+        return [*g, *(p.grad for p in subset)]
+
+    assert_bitwise(grads(None), grads(mode))
+
+
+# --------------------------------------------------------------------------- second and double backward
+
+
+@pytest.mark.parametrize(("kind", "mode"), CASES)
+def test_second_backward_with_retain_graph_equals_plain(kind: str, mode: str) -> None:
+    def twice(mode):
+        model, batch, wrapped = build(kind, mode)
+        calls = first_child_calls(model, wrapped)
+        torch.manual_seed(5)
+        loss = model.loss(batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad for p in model.parameters()], calls
+
+    plain, _ = twice(None)
+    got, calls = twice(mode)
+    assert_bitwise(plain, got)
+    assert all(c == [3] for c in calls.values()), calls  # forward + one recomputation per backward
+
+
+@pytest.mark.parametrize(("kind", "mode"), CASES)
+def test_double_backward_gradient_penalty_equals_plain(kind: str, mode: str) -> None:
+    """loss + |d loss / d params|^2: the second backward differentiates through the first."""
+
+    def penalised(mode):
+        model, batch, wrapped = build(kind, mode)
+        calls = first_child_calls(model, wrapped)
+        params = list(model.parameters())
+        torch.manual_seed(5)
+        loss = model.loss(batch)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in grads)
+        (loss + penalty).backward()
+        buffers = [b.clone() for b in model.buffers()]  # BatchNorm statistics: one update per forward
+        return [loss.detach(), penalty.detach(), *(p.grad for p in params), *buffers], calls
+
+    plain, _ = penalised(None)
+    got, calls = penalised(mode)
+    assert_bitwise(plain, got)
+    # forward, the recomputation for autograd.grad, and another for the backward through it
+    assert all(c == [3] for c in calls.values()), calls
+
+
+# --------------------------------------------------------------------------- recomputation changes
+
+
+class Flaky(nn.Module):
+    """``tanh(W x)`` then ``sin``, except that the ``change_on``-th call does something else."""
+
+    def __init__(self, change: str, change_on: int = 2) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.change, self.change_on, self.calls = change, change_on, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.tanh(self.lin(x))
+        if self.calls == self.change_on:
+            if self.change == "shape":
+                h = h[:, :4]
+            elif self.change == "fewer":
+                return h.sum(-1)
+            elif self.change == "more":
+                h = torch.sin(h)
+            elif self.change == "values":
+                h = h * 2
+        return torch.sin(h).sum(-1)
+
+
+class Net(nn.Module):
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.body = nn.Sequential(nn.Identity(), Flaky(change))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.pre(x))
+
+
+def flaky_step(change: str, wrap: bool = True) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    net = Net(change)
+    if wrap:
+        assert apply_checkpointing(net, layers="Flaky") == ["body.1"]
+    net(torch.randn(3, 8)).sum().backward()
+    return [p.grad for p in net.parameters()]
+
+
+ADVICE = (
+    "Checkpointing runs a module's forward again in backward and needs the same computation both "
+    "times: its forward must depend only on its inputs, parameters and buffers, not on a counter, "
+    "a flag or a global changed in between (nor on random numbers, unless ckpt.preserve_rng_state=true). "
+    "Make the forward deterministic, or leave the module out of ckpt.layers."
+)
+
+
+def raises_exactly(message: str):
+    return pytest.raises(RecomputationMismatch, match=f"^{re.escape(message)}$")
+
+
+def test_shape_change_names_the_module_and_the_tensor() -> None:
+    # Saved, in order: lin's input, lin's weight (transposed), tanh's output, sin's input (tanh's
+    # output again in the forward, a slice of it in the recomputation).
+    with raises_exactly(
+        "body.1 (Flaky) computed something else when recomputed for backward: tensor 4 of the 4 it saved "
+        "for backward (output of Tanh) was float32[3, 8] on cpu in the forward and float32[3, 4] on cpu "
+        f"in the recomputation. {ADVICE}"
+    ):
+        flaky_step("shape")
+
+
+def test_the_mismatch_is_a_checkpoint_error() -> None:
+    """Code that catches torch's CheckpointError still catches ours."""
+    with pytest.raises(CheckpointError):
+        flaky_step("shape")
+
+
+def test_fewer_saved_tensors_names_the_module() -> None:
+    with raises_exactly(
+        "body.1 (Flaky) computed something else when recomputed for backward: its forward saved 4 tensors "
+        f"for backward and its recomputation only 3. {ADVICE}"
+    ):
+        flaky_step("fewer")
+
+
+def test_more_saved_tensors_names_the_module() -> None:
+    # torch stops a recomputation once it has as many tensors as the forward (early stop),
+    # so "more" shows only with early stop off.
+    with set_checkpoint_early_stop(False), raises_exactly(
+        "body.1 (Flaky) computed something else when recomputed for backward: its recomputation saved "
+        f"more tensors for backward than the 4 its forward saved. {ADVICE}"
+    ):
+        flaky_step("more")
+
+
+def test_value_change_is_silent_by_default_like_torch() -> None:
+    """Only shape, dtype and device are checked by default: the gradient is wrong, with no error."""
+    plain = flaky_step("none", wrap=False)
+    wrong = flaky_step("values")
+    assert not all(torch.equal(a, b) for a, b in zip(plain, wrong, strict=True))
+
+
+def test_value_change_is_caught_when_checking_values() -> None:
+    with checking_recomputed_values(), raises_exactly(
+        "body.1 (Flaky) computed something else when recomputed for backward: tensor 4 of the 4 it saved "
+        "for backward (output of Tanh, float32[3, 8] on cpu) has other values in the recomputation: "
+        f"24 of 24 elements differ. {ADVICE}"
+    ):
+        flaky_step("values")
+
+
+def test_checking_values_catches_dropout_without_rng_replay() -> None:
+    """The real case: preserve_rng_state=false redraws dropout masks; the last block recomputes first."""
+    model = small_gpt(torch.float64, n_layer=2)
+    apply_checkpointing(model, layers="TransformerBlock", preserve_rng_state=False)
+    with checking_recomputed_values():
+        loss = model.loss(gpt_batch(model))
+    with pytest.raises(RecomputationMismatch, match=r"^blocks\.1 \(TransformerBlock\) computed something else "
+                       r"when recomputed for backward: tensor \d+ of the \d+ it saved for backward \(.*\) has "
+                       r"other values in the recomputation: \d+ of \d+ elements differ\. "):
+        loss.backward()
+
+
+@pytest.mark.parametrize(("kind", "mode"), CASES)
+def test_checking_values_passes_a_faithful_recomputation(kind: str, mode: str) -> None:
+    """No false alarm (dropout on, RNG replayed, BatchNorm), and the gradients stay bitwise equal."""
+
+    def grads(mode, check):
+        model, batch, _ = build(kind, mode)
+        torch.manual_seed(5)
+        with checking_recomputed_values() if check else torch.enable_grad():
+            loss = model.loss(batch)
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    assert_bitwise(grads(None, False), grads(mode, True))
