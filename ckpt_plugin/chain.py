@@ -95,6 +95,8 @@ class ChainCheckpoint:
                 return
             self._last_output, self._last_index = output, i
             for _region in self.closes_at[i]:
+                if not self._open:  # a failed chain check has abandoned them already
+                    break
                 self._exit()
             if i == len(self.layers) - 1 and self._offload is not None:
                 self._offload.__exit__(None, None, None)

@@ -224,6 +224,7 @@ class NoneConfig(SelectiveConfig):
 
     mode: str = "none"
     budget: Any = None
+    deepspeed: Any = None  # full's key too: none accepts (and ignores) every other mode's key
 
     def __post_init__(self) -> None:
         pass  # nothing is wrapped, so no value can be wrong

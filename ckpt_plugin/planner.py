@@ -155,7 +155,13 @@ def plan(
         raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
                          "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
     assert all(p.options for p in profiles), "every layer needs at least one option"
-    best = _cheapest(profiles, rest_bytes, budget_bytes, rest_transient)
+    if reference_peak is not None and budget_bytes >= reference_peak and all("keep" in p.options for p in profiles):
+        # The measured step without checkpointing fits, so keeping everything (no recompute) is the
+        # plan, even where the peak model, an upper bound, says otherwise (it counts twice a tensor
+        # that two layers keep).
+        best = ((0, 0), tuple("keep" for _ in profiles))
+    else:
+        best = _cheapest(profiles, rest_bytes, budget_bytes, rest_transient)
     if best is None:
         smallest = smallest_peak(profiles, rest_bytes, rest_transient)
         # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
@@ -167,10 +173,13 @@ def plan(
             f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
             f"checkpointing ckpt.layers: the smallest peak reachable is {smallest} bytes ({format_bytes(smallest)}, "
             f"{smallest / reference:.2f}); raise ckpt.budget to at least "
-            f"{math.ceil(smallest / reference * 100) / 100:g} or {smallest} bytes, or select more layers"
+            f"{min(math.ceil(smallest / reference * 100) / 100, 1):g} or {min(smallest, reference)} bytes, "
+            "or select more layers"
         )
     cost, chosen = best
     peak, at = predicted_peak(profiles, chosen, rest_bytes, rest_transient)
+    if reference_peak is not None and set(chosen) == {"keep"}:
+        peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
     return Plan(
         choices={p.name: o for p, o in zip(profiles, chosen)},
         recompute_flops=cost[0],

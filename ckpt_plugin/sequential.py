@@ -64,8 +64,9 @@ def schedule(length: int, segments: int | str, key: str = "ckpt.segments") -> li
         raise ValueError(problems[0])
     if length < 1:
         raise ValueError(f"{key}: there is no function to checkpoint (the chain is empty)")
-    if segments == "recursive":
-        return list(_halve(0, length).children) if length > 1 else [Region(0, 1, (0,))]
+    if segments == "recursive":  # a top-level half of one layer is a region too (else L=2 checkpoints nothing)
+        halves = _halve(0, length).children if length > 1 else (0,)
+        return [c if isinstance(c, Region) else Region(c, c + 1, (c,)) for c in halves]
     count = math.ceil(math.sqrt(length)) if segments == "sqrt" else segments
     if count > length:
         raise ValueError(

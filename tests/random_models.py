@@ -166,7 +166,7 @@ class RandomNet(nn.Module):
         if spec.container == "stages":
             self.stages = nn.ModuleList(nn.Sequential(*(blocks[i] for i in idx)) for idx in stage_split(len(blocks)))
         else:
-            self.blocks = (nn.Sequential if spec.container == "sequential" else nn.ModuleList)(blocks)
+            self.blocks = nn.Sequential(*blocks) if spec.container == "sequential" else nn.ModuleList(blocks)
         self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, w))  # reaches gated blocks as a keyword argument
         self.head = nn.Linear(w, 2)
         self.spec = spec
