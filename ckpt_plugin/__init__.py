@@ -10,6 +10,7 @@ from .offload import offloading
 from .policies import checkpoint_name, make_policy
 from .report import WrapReport
 from .deepspeed_ckpt import DeepSpeedCheckpointing
+from .recompute_check import RecomputationMismatch, checking_recomputed_values
 from .residuals import SavedActivations, saved_activations
 from .resume import ResumableDataLoader, ResumableRNG
 from .scan import checkpoint_scan
@@ -22,6 +23,7 @@ __all__ = [
     "FullConfig",
     "NoneConfig",
     "OffloadConfig",
+    "RecomputationMismatch",
     "ResumableDataLoader",
     "ResumableRNG",
     "SavedActivations",
@@ -32,6 +34,7 @@ __all__ = [
     "checkpoint_name",
     "checkpoint_scan",
     "checkpoint_sequential",
+    "checking_recomputed_values",
     "make_config",
     "make_policy",
     "offloading",

@@ -5,6 +5,7 @@ If a torch release moves one of these, this file is the only one to change.
 
 from __future__ import annotations
 
+import sys
 from types import FrameType
 from typing import Any
 
@@ -91,6 +92,35 @@ def checkpoint_wrapper_type() -> type:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # private module
 
     return CheckpointWrapper
+
+
+# -- for checkpoint under torch.compile (treatment.py, wrapping.py) --
+
+def uncompiled(model: Any) -> Any:
+    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``.
+
+    Its names are the model's own (no ``_orig_mod.`` prefix), and wrapping its
+    modules is what the compiled module runs: dynamo guards on each module's
+    ``forward``, so a change after a compiled run recompiles.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
+
+
+def tracing_for_compile() -> bool:
+    """Whether AOTAutograd is tracing right now (torch.compile, export), as torch's checkpoint
+    itself decides it (``torch.utils.checkpoint._is_compiling``: a proxy dispatch mode is
+    active); it then accepts only torch's own selective-checkpoint modes from ``context_fn``."""
+    if torch.compiler._is_non_strict_tracing():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def checkpoint_debug_enabled() -> bool:
+    """Whether ``torch.utils.checkpoint.set_checkpoint_debug_enabled(True)`` is in force (no getter)."""
+    return bool(torch.utils.checkpoint._checkpoint_debug_enabled)
 
 
 # -- for selective checkpointing's dispatch modes (policies.py) --

@@ -223,7 +223,7 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
             # Labelled inside checkpoint (its recomputation runs the inner forward only) and
             # outside it (checkpoint saves the layer's inputs before calling the inner forward).
             module.__dict__["forward"] = recorder.window(name, module.forward)
-            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how))
+            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how, name))
         with side_effect_free(model), mode, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.keep, lambda t: t):
                 outputs = [t for t in tree_leaves(forward()) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -308,7 +308,7 @@ def apply_plan(model: nn.Module, chosen: Plan, preserve_rng_state: bool = True) 
     for name, option in chosen.choices.items():
         how = treatment(option, preserve_rng_state)
         if how is not None:
-            modules[name].__dict__["forward"] = CheckpointedForward(modules[name], how)
+            modules[name].__dict__["forward"] = CheckpointedForward(modules[name], how, name)
             wrapped.append(name)
     return wrapped
 

@@ -64,7 +64,10 @@ class SavedCounter:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.add(t)
-        return t
+        # Detached: a saved output handed back as itself holds its own grad_fn, a reference
+        # cycle through C++ that gc cannot free, so a forward without backward (the report's)
+        # would leak its whole graph (pytorch#115255; found by ckpt-soak).
+        return t.detach()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks that count what autograd saves and change nothing."""

@@ -186,7 +186,8 @@ class Offloading(saved_tensors_hooks):
         return copy, t.dtype, t.storage_offset(), t.size(), t.stride()
 
     def _keep(self, t: torch.Tensor) -> Any:
-        return t if self._outer is None else _Outer(self._outer[0](t), self._outer[1])
+        # Detached, as in measure.SavedCounter.pack: the tensor itself would make a cycle (pytorch#115255).
+        return t.detach() if self._outer is None else _Outer(self._outer[0](t), self._outer[1])
 
     def _unpack(self, packed: _Packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

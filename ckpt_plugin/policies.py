@@ -104,6 +104,10 @@ def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
         raise TypeError(f"checkpoint_name expects a tensor, got {type(x).__name__}")
     if not isinstance(name, str) or not name:
         raise ValueError(f"checkpoint_name: the name must be a non-empty string, got {name!r}")
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace ContextVar.get (a graph break per tag). Compiled, tags are inert:
+        # a names region refuses torch.compile (treatment.NAMES_UNDER_COMPILE).
+        return x
     return _NAME_OP(x, name) if _NAMING.get() else x
 
 

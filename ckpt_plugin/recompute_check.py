@@ -20,13 +20,18 @@ same way.
 Values are not checked by default, as in torch: a recomputation that draws
 other random numbers (``preserve_rng_state=false`` with dropout), reads a flag
 flipped between forward and backward, or runs a nondeterministic kernel gives
-a different gradient with no error. Wrap the forward in
-:func:`checking_recomputed_values` to compare values too, exactly (NaN equal to NaN): every
-wrapped call then keeps a copy of each tensor it saves, so it needs more
-memory than no checkpointing at all. It is a debugging tool, like
-``torch.autograd.detect_anomaly``. BatchNorm's running statistics, which
-batch_norm saves, the recomputation updates and ``norms.py`` then restores, are
-not compared (backward in training mode does not read them).
+a different gradient with no error. Run the forward inside
+:func:`checking_recomputed_values` to compare values too, exactly (NaN equal
+to NaN): every wrapped call then keeps a copy of each tensor it saves for as
+long as its graph lives, more memory than no checkpointing at all. It is a
+debugging tool, like ``torch.autograd.detect_anomaly``. BatchNorm's running
+statistics, which batch_norm saves, the recomputation updates and
+``norms.py`` then restores, are not compared (backward in training mode does
+not read them).
+
+Under ``torch.compile`` nothing here runs: the partitioner recomputes from the
+one traced graph, so there is no second Python run that could differ
+(``treatment.py``).
 """
 
 from __future__ import annotations
@@ -69,8 +74,8 @@ def checking_recomputed_values() -> Iterator[None]:
     ...     loss = model.loss(batch)
     >>> loss.backward()     # RecomputationMismatch if a recomputation saved other values
 
-    Each wrapped call keeps a copy of every tensor it saves until backward has
-    compared it: more memory than no checkpointing. For debugging only.
+    Each wrapped call keeps a copy of every tensor it saves for as long as its
+    graph lives: more memory than no checkpointing. For debugging only.
     """
     token = _CHECK_VALUES.set(True)
     try:
@@ -168,11 +173,10 @@ class CallRecord:
         if n > total:
             raise self._error(f"its recomputation saved more tensors for backward than the {total} its forward saved")
         before, now = self.saved[n - 1], _meta(t)
-        source = _describe_source(self.sources[n - 1])
         if before != now:
             raise self._error(
-                f"tensor {n} of the {total} it saved for backward ({source}) was {_describe(before)} "
-                f"in the forward and {_describe(now)} in the recomputation"
+                f"tensor {n} of the {total} it saved for backward ({self._source(n)}) was "
+                f"{_describe(before)} in the forward and {_describe(now)} in the recomputation"
             )
         copy = self.copies[n - 1] if self.copies is not None else None
         if copy is not None:
@@ -180,9 +184,12 @@ class CallRecord:
                 if not _equal(copy, t):
                     differ = int((~torch.isclose(copy, t, rtol=0.0, atol=0.0, equal_nan=True)).sum())
                     raise self._error(
-                        f"tensor {n} of the {total} it saved for backward ({source}, {_describe(now)}) has other values "
-                        f"in the recomputation: {differ} of {t.numel()} elements differ"
+                        f"tensor {n} of the {total} it saved for backward ({self._source(n)}, {_describe(now)}) "
+                        f"has other values in the recomputation: {differ} of {t.numel()} elements differ"
                     )
+
+    def _source(self, n: int) -> str:
+        return _describe_source(self.sources[n - 1])
 
     def _error(self, what: str) -> RecomputationMismatch:
         return RecomputationMismatch(

@@ -19,6 +19,7 @@ from typing import Any
 
 from .config import CkptConfig
 from .norms import keep_running_stats
+from ._compat import tracing_for_compile
 from .recompute_check import CallRecord
 
 
@@ -55,14 +56,22 @@ class Treatment:
         return offloading()
 
     def context_fn(self, stats: list, label: str | None = None) -> Callable[[], tuple] | None:
-        """``checkpoint``'s eager context_fn: the policy's contexts, the BatchNorm fix and,
-        when ``label`` names the module (``"blocks.1 (TransformerBlock)"``), the check that
-        its recomputation saves what its forward saved."""
+        """``checkpoint``'s context_fn: eager, the policy's contexts, the BatchNorm fix and, when
+        ``label`` names the module (``"blocks.1 (TransformerBlock)"``), the check that its
+        recomputation saves what its forward saved; while torch.compile traces, torch's modes.
+
+        The choice is made when checkpoint calls it, not when dynamo traces the wrapped
+        forward: a graph break inside the module makes dynamo run that checkpoint call
+        eagerly, and it must then get the eager contexts.
+        """
         if self.policy is None and not stats and label is None:
             return None
+        policy = self.policy
 
-        def contexts() -> tuple[_Fresh, _Fresh]:
-            forward, recompute = self.policy.context_fn() if self.policy else (contextlib.nullcontext(),) * 2
+        def contexts() -> tuple[Any, Any]:
+            if tracing_for_compile():
+                return _compiled_contexts(policy)
+            forward, recompute = policy.context_fn() if policy else (contextlib.nullcontext(),) * 2
             fwd, rec = [lambda: forward], [lambda: recompute, lambda: keep_running_stats(stats)]
             if label is not None:
                 record = CallRecord(label, stats)  # one per call: a module may run several times per step
@@ -70,26 +79,22 @@ class Treatment:
                 rec.append(record.recompute)
             return _Fresh(fwd), _Fresh(rec)
 
-        return contexts
-
-    def compiled_context_fn(self) -> Callable[[], tuple] | None:
-        """``checkpoint``'s context_fn under ``torch.compile``: None (torch recomputes every
-        op of the region) or torch's selective modes deciding with our policy."""
-        if self.policy is None:
-            return None
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        policy = self.policy
-
-        def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-            if policy.uses_names:
-                raise ValueError(NAMES_UNDER_COMPILE)
-            return create_selective_checkpoint_contexts(policy)
-
-        # AOTAutograd caches a compiled graph with a context_fn only if the context_fn names
-        # what it does; the policy's repr does (its ops or names).
+        # AOTAutograd caches a compiled graph with a context_fn only if the context_fn says
+        # what it does; compiled, only the policy matters (its repr names its ops or names).
         contexts.cache_hash = f"ckpt_plugin {policy!r}"  # type: ignore[attr-defined]
         return contexts
+
+
+def _compiled_contexts(policy: Any) -> tuple[Any, Any]:
+    """torch's selective-checkpoint modes, deciding with ``policy`` (None: recompute every op,
+    exactly what torch.compile does for a checkpoint without context_fn)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    if policy is None:
+        return create_selective_checkpoint_contexts(lambda *_, **__: CheckpointPolicy.PREFER_RECOMPUTE)
+    if policy.uses_names:
+        raise ValueError(NAMES_UNDER_COMPILE)
+    return create_selective_checkpoint_contexts(policy)
 
 
 NAMES_UNDER_COMPILE = (

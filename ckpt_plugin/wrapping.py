@@ -14,6 +14,14 @@ update its running statistics a second time (pytorch#96136, open upstream).
 The recompute context below snapshots every running-statistics buffer in the
 wrapped subtree and writes it back afterwards, so statistics match a run
 without checkpointing bit for bit.
+
+The recomputation must save what the forward saved; if it does not, the
+error names the module (``recompute_check.py``), which torch's does not.
+
+Under ``torch.compile``: apply, then compile, or compile, then apply. The
+compiled code runs whatever ``forward`` each module has when it is traced,
+and dynamo guards on it, so applying or removing after a compiled run
+recompiles (``tests/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from . import deepspeed_ckpt
+from ._compat import checkpoint_debug_enabled, uncompiled
 from .chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
 from .config import CkptConfig, make_config, raise_problems
 from .norms import running_stats
@@ -47,7 +56,7 @@ class CheckpointedForward:
     (``recompute_check.py``).
     """
 
-    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_compiled_context_fn", "_stats")
+    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_check_only", "_stats")
 
     def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
@@ -57,7 +66,7 @@ class CheckpointedForward:
         label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
         self._context_fn = treatment.context_fn(self._stats, label)
-        self._compiled_context_fn = treatment.compiled_context_fn()
+        self._check_only = treatment.policy is None and not self._stats  # context_fn only checks
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
@@ -69,14 +78,18 @@ class CheckpointedForward:
             # kwargs travel in a partial so that a forward argument can never
             # collide with checkpoint's own keywords (``context_fn``, ...).
             fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
-            # Dynamo reads this as a constant while tracing: compiled, torch's own modes (treatment.py).
-            context_fn = self._compiled_context_fn if torch.compiler.is_compiling() else self._context_fn
+            context_fn = self._context_fn
+            if self._check_only and checkpoint_debug_enabled():
+                # torch's debug mode refuses a context_fn and prints every op of both runs
+                # on a mismatch: it replaces our check rather than fail.
+                context_fn = None
             options = {"context_fn": context_fn} if context_fn else {}
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 
 
 def wrapped_modules(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` that this plugin has wrapped."""
+    model = uncompiled(model)
     return [
         n
         for n, m in model.named_modules()
@@ -97,6 +110,7 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     Returns the qualified names that were unwrapped. Safe on a model that was
     never wrapped.
     """
+    model = uncompiled(model)
     removed = wrapped_modules(model)
     for chain in chains_of(model):
         chain.remove()
@@ -114,8 +128,10 @@ def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any
     """Wrap the modules ``config`` selects; see :func:`apply_checkpointing`.
 
     ``forward()`` runs the model on a sample input (``ckpt=auto`` profiles with
-    it); by default ``model(model.example_input_array)``.
+    it); by default ``model(model.example_input_array)``. ``model`` may be
+    ``torch.compile(model)``: its modules are wrapped, under their own names.
     """
+    model = uncompiled(model)
     if config.mode == "none":
         remove_checkpointing(model)
         return []

@@ -39,7 +39,7 @@ NAMES = {"mode": "selective", "policy": "names", "save_names": ["attn_out"]}
 
 def build(kind: str, mode: str | None):
     """A float64 example model and batch; wrapped with ``mode`` unless it is None."""
-    model = small_gpt(torch.float64, n_layer=2) if kind == "gpt" else small_resnet(torch.float64)
+    model = small_gpt(torch.float64, n_layer=2) if kind == "gpt" else small_resnet(torch.float64, depths=(1, 1))
     batch = gpt_batch(model) if kind == "gpt" else resnet_batch(model, dtype=torch.float64)
     wrapped = []
     if mode is not None:
@@ -47,6 +47,19 @@ def build(kind: str, mode: str | None):
         wrapped = apply_checkpointing(model, layers=MODELS[kind], **keys)
         assert wrapped, "nothing wrapped: the comparison would prove nothing"
     return model, batch, wrapped
+
+
+@pytest.fixture(scope="module")
+def plain_runs() -> dict:
+    return {}
+
+
+def plain(runs: dict, test, kind: str, run):
+    """``run(None)``, the step without the plugin, once per test and model kind (shared by the modes)."""
+    key = (test.__name__, kind)
+    if key not in runs:
+        runs[key] = run(None)
+    return runs[key]
 
 
 def first_child_calls(model: nn.Module, names: list[str]) -> dict[str, list[int]]:
@@ -73,7 +86,7 @@ def assert_bitwise(expected, got) -> None:
 
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)
-def test_autograd_grad_equals_plain(kind: str, mode: str) -> None:
+def test_autograd_grad_equals_plain(plain_runs: dict, kind: str, mode: str) -> None:
     def grads(mode):
         model, batch, wrapped = build(kind, mode)
         calls = first_child_calls(model, wrapped)
@@ -83,14 +96,13 @@ def test_autograd_grad_equals_plain(kind: str, mode: str) -> None:
         assert all(p.grad is None for p in model.parameters()), "autograd.grad must not accumulate .grad"
         return [loss.detach(), *g], calls
 
-    plain, _ = grads(None)
     got, calls = grads(mode)
-    assert_bitwise(plain, got)
+    assert_bitwise(plain(plain_runs, test_autograd_grad_equals_plain, kind, grads)[0], got)
     assert all(c == [2] for c in calls.values()), calls  # forward + one recomputation each
 
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)
-def test_inputs_subset_equals_plain(kind: str, mode: str) -> None:
+def test_inputs_subset_equals_plain(plain_runs: dict, kind: str, mode: str) -> None:
     """``autograd.grad`` for a subset of parameters plus the model's input, and ``backward(inputs=...)``."""
 
     def grads(mode):
@@ -112,14 +124,14 @@ def test_inputs_subset_equals_plain(kind: str, mode: str) -> None:
         assert all(o is None for o in others), "backward(inputs=...) filled a gradient outside inputs"
         return [*g, *(p.grad for p in subset)]
 
-    assert_bitwise(grads(None), grads(mode))
+    assert_bitwise(plain(plain_runs, test_inputs_subset_equals_plain, kind, grads), grads(mode))
 
 
 # --------------------------------------------------------------------------- second and double backward
 
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)
-def test_second_backward_with_retain_graph_equals_plain(kind: str, mode: str) -> None:
+def test_second_backward_with_retain_graph_equals_plain(plain_runs: dict, kind: str, mode: str) -> None:
     def twice(mode):
         model, batch, wrapped = build(kind, mode)
         calls = first_child_calls(model, wrapped)
@@ -129,14 +141,13 @@ def test_second_backward_with_retain_graph_equals_plain(kind: str, mode: str) ->
         loss.backward()
         return [p.grad for p in model.parameters()], calls
 
-    plain, _ = twice(None)
     got, calls = twice(mode)
-    assert_bitwise(plain, got)
+    assert_bitwise(plain(plain_runs, test_second_backward_with_retain_graph_equals_plain, kind, twice)[0], got)
     assert all(c == [3] for c in calls.values()), calls  # forward + one recomputation per backward
 
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)
-def test_double_backward_gradient_penalty_equals_plain(kind: str, mode: str) -> None:
+def test_double_backward_gradient_penalty_equals_plain(plain_runs: dict, kind: str, mode: str) -> None:
     """loss + |d loss / d params|^2: the second backward differentiates through the first."""
 
     def penalised(mode):
@@ -151,9 +162,8 @@ def test_double_backward_gradient_penalty_equals_plain(kind: str, mode: str) -> 
         buffers = [b.clone() for b in model.buffers()]  # BatchNorm statistics: one update per forward
         return [loss.detach(), penalty.detach(), *(p.grad for p in params), *buffers], calls
 
-    plain, _ = penalised(None)
     got, calls = penalised(mode)
-    assert_bitwise(plain, got)
+    assert_bitwise(plain(plain_runs, test_double_backward_gradient_penalty_equals_plain, kind, penalised)[0], got)
     # forward, the recomputation for autograd.grad, and another for the backward through it
     assert all(c == [3] for c in calls.values()), calls
 
@@ -252,9 +262,9 @@ def test_more_saved_tensors_names_the_module() -> None:
 
 def test_value_change_is_silent_by_default_like_torch() -> None:
     """Only shape, dtype and device are checked by default: the gradient is wrong, with no error."""
-    plain = flaky_step("none", wrap=False)
+    expected = flaky_step("none", wrap=False)
     wrong = flaky_step("values")
-    assert not all(torch.equal(a, b) for a, b in zip(plain, wrong, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(expected, wrong, strict=True))
 
 
 def test_value_change_is_caught_when_checking_values() -> None:
@@ -279,7 +289,7 @@ def test_checking_values_catches_dropout_without_rng_replay() -> None:
 
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)
-def test_checking_values_passes_a_faithful_recomputation(kind: str, mode: str) -> None:
+def test_checking_values_passes_a_faithful_recomputation(plain_runs: dict, kind: str, mode: str) -> None:
     """No false alarm (dropout on, RNG replayed, BatchNorm), and the gradients stay bitwise equal."""
 
     def grads(mode, check):
@@ -290,4 +300,16 @@ def test_checking_values_passes_a_faithful_recomputation(kind: str, mode: str) -
         loss.backward()
         return [p.grad for p in model.parameters()]
 
-    assert_bitwise(grads(None, False), grads(mode, True))
+    reference = plain(plain_runs, test_checking_values_passes_a_faithful_recomputation, kind, lambda _: grads(None, False))
+    assert_bitwise(reference, grads(mode, True))
+
+
+def test_torchs_debug_mode_takes_over_the_check() -> None:
+    """``set_checkpoint_debug_enabled(True)`` refuses a context_fn: the plugin steps aside and
+    torch's debug report (every op of both runs) is raised instead of ours."""
+    from torch.utils.checkpoint import set_checkpoint_debug_enabled
+
+    with set_checkpoint_debug_enabled(True), pytest.raises(CheckpointError) as info:
+        flaky_step("shape")
+    assert not isinstance(info.value, RecomputationMismatch)
+    assert "Operations executed during recomputation" in str(info.value)
