@@ -1,44 +1,78 @@
 """ckpt_plugin: activation checkpointing for PyTorch Lightning, configured through Hydra.
 
     python recipes/train.py ckpt.layers=TransformerBlock
+
+Every public name is imported on first use (PEP 562), so importing costs what
+you use: ``from ckpt_plugin import apply_checkpointing, checkpoint`` loads
+torch and the engine, never Lightning or Hydra; ``ckpt_plugin.ActivationCheckpointing``
+loads Lightning when it is first touched.
 """
 
-from .callback import ActivationCheckpointing
-from .config import FullConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
-from .functional import checkpoint
-from .offload import offloading
-from .policies import checkpoint_name, make_policy
-from .report import WrapReport
-from .deepspeed_ckpt import DeepSpeedCheckpointing
-from .recompute_check import RecomputationMismatch, checking_recomputed_values
-from .residuals import SavedActivations, saved_activations
-from .resume import ResumableDataLoader, ResumableRNG
-from .scan import checkpoint_scan
-from .sequential import checkpoint_sequential
-from .wrapping import apply_checkpointing, remove_checkpointing, wrapped_modules
+from __future__ import annotations
 
-__all__ = [
-    "ActivationCheckpointing",
-    "DeepSpeedCheckpointing",
-    "FullConfig",
-    "NoneConfig",
-    "OffloadConfig",
-    "RecomputationMismatch",
-    "ResumableDataLoader",
-    "ResumableRNG",
-    "SavedActivations",
-    "SelectiveConfig",
-    "WrapReport",
-    "apply_checkpointing",
-    "checkpoint",
-    "checkpoint_name",
-    "checkpoint_scan",
-    "checkpoint_sequential",
-    "checking_recomputed_values",
-    "make_config",
-    "make_policy",
-    "offloading",
-    "remove_checkpointing",
-    "saved_activations",
-    "wrapped_modules",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> the module that defines it
+_WHERE = {
+    "ActivationCheckpointing": "ckpt_plugin.lightning.callback",
+    "ResumableDataLoader": "ckpt_plugin.lightning.resume",
+    "ResumableRNG": "ckpt_plugin.lightning.resume",
+    "AutoConfig": "ckpt_plugin.config.schema",
+    "FullConfig": "ckpt_plugin.config.schema",
+    "NoneConfig": "ckpt_plugin.config.schema",
+    "OffloadConfig": "ckpt_plugin.config.schema",
+    "SelectiveConfig": "ckpt_plugin.config.schema",
+    "make_config": "ckpt_plugin.config.schema",
+    "DeepSpeedCheckpointing": "ckpt_plugin.config.deepspeed",
+    "apply_checkpointing": "ckpt_plugin.config.plan",
+    "ConfigError": "ckpt_plugin.errors",
+    "Problem": "ckpt_plugin.errors",
+    "remove_checkpointing": "ckpt_plugin.engine.wrap",
+    "wrapped_modules": "ckpt_plugin.engine.wrap",
+    "checkpoint": "ckpt_plugin.engine.functional",
+    "offloading": "ckpt_plugin.engine.offload",
+    "checkpoint_name": "ckpt_plugin.engine.policies",
+    "make_policy": "ckpt_plugin.engine.policies",
+    "RecomputationMismatch": "ckpt_plugin.engine.recompute_check",
+    "checking_recomputed_values": "ckpt_plugin.engine.recompute_check",
+    "checkpoint_scan": "ckpt_plugin.engine.scan",
+    "checkpoint_sequential": "ckpt_plugin.engine.sequential",
+    "WrapReport": "ckpt_plugin.measure.report",
+    "SavedActivations": "ckpt_plugin.measure.residuals",
+    "saved_activations": "ckpt_plugin.measure.residuals",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ckpt_plugin' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # next time without __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from ckpt_plugin.config.deepspeed import DeepSpeedCheckpointing
+    from ckpt_plugin.config.plan import apply_checkpointing
+    from ckpt_plugin.config.schema import AutoConfig, FullConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
+    from ckpt_plugin.engine.functional import checkpoint
+    from ckpt_plugin.engine.offload import offloading
+    from ckpt_plugin.engine.policies import checkpoint_name, make_policy
+    from ckpt_plugin.engine.recompute_check import RecomputationMismatch, checking_recomputed_values
+    from ckpt_plugin.engine.scan import checkpoint_scan
+    from ckpt_plugin.engine.sequential import checkpoint_sequential
+    from ckpt_plugin.engine.wrap import remove_checkpointing, wrapped_modules
+    from ckpt_plugin.errors import ConfigError, Problem
+    from ckpt_plugin.lightning.callback import ActivationCheckpointing
+    from ckpt_plugin.lightning.resume import ResumableDataLoader, ResumableRNG
+    from ckpt_plugin.measure.report import WrapReport
+    from ckpt_plugin.measure.residuals import SavedActivations, saved_activations

@@ -1,6 +1,10 @@
 """The one place that touches private or moving torch APIs.
 
-If a torch release moves one of these, this file is the only one to change.
+Every private torch name the package and its tools use is reached through
+this file (``tests/test_compat.py`` has a test per shim, and a test that no
+other file imports a private torch module). If a torch release moves one of
+these, this file is the only one to change. Tested on the torch the project
+declares (``pyproject.toml``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
+from torch.multiprocessing.reductions import StorageWeakRef  # what torch.utils.checkpoint keys storages by
 from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in a private module
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves  # pytree: private module, stable API
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:

@@ -7,25 +7,58 @@
     python recipes/train.py trainer=ddp trainer.accelerator=cpu trainer.devices=2
     python recipes/train.py 'callbacks=[activation_checkpointing,model_checkpoint]' ckpt_path=last   # resumable
 
-Configs: configs/ (train.yaml and the groups ckpt, callbacks, model, data, trainer).
+Configs: ``recipes/configs/`` (``train.yaml``; the groups ``trainer``,
+``callbacks/model_checkpoint`` and ``hydra/launcher``). The ``ckpt`` group and
+``callbacks/activation_checkpointing`` come from the installed plugin, the
+example ``model`` and ``data`` groups from ``ckpt_examples`` (``hydra.searchpath``
+in ``train.yaml``). :func:`train` is the whole recipe; ``main`` only hands it
+Hydra's config, so tests and launchers call ``train(cfg)`` directly.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 import hydra
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from ckpt_plugin.resume import latest_checkpoint
+from ckpt_plugin.lightning.resume import latest_checkpoint
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="train")
-def main(cfg: DictConfig) -> None:
+def processes(devices: Any, num_nodes: Any = 1) -> int:
+    """How many processes a Trainer with ``devices`` on ``num_nodes`` starts, as Lightning counts them.
+
+    ``trainer=model_parallel`` needs it (``${processes:...}``): ModelParallelStrategy's "auto"
+    data-parallel size is the number of nodes (the rest goes to tensor parallelism), but a model
+    without tensor parallelism (FSDP2 alone) wants every process data-parallel.
+    """
+    if isinstance(devices, list | tuple) or (hasattr(devices, "__len__") and not isinstance(devices, str)):
+        per_node = len(devices)
+    elif str(devices) in ("auto", "-1"):
+        import torch
+
+        per_node = torch.cuda.device_count() or 1  # Lightning's auto: every GPU, else one CPU process
+    elif isinstance(devices, str) and "," in devices:
+        per_node = len([d for d in devices.split(",") if d.strip()])
+    else:
+        per_node = int(devices)
+    return per_node * int(num_nodes)
+
+
+OmegaConf.register_new_resolver("processes", processes, replace=True)
+
+
+def train(cfg: DictConfig, model: pl.LightningModule | None = None) -> pl.Trainer:
+    """Fit ``cfg.model`` (or ``model``) on ``cfg.data`` with ``cfg.callbacks`` and ``cfg.trainer``; the Trainer after fit."""
     pl.seed_everything(cfg.seed, workers=True)
     rank_zero_info(f"Instantiating datamodule <{cfg.data._target_}>")
     datamodule = instantiate(cfg.data)
-    rank_zero_info(f"Instantiating model <{cfg.model._target_}>")
-    model = instantiate(cfg.model)
+    if model is None:
+        rank_zero_info(f"Instantiating model <{cfg.model._target_}>")
+        model = instantiate(cfg.model)
     callbacks = []
     for name, node in (cfg.get("callbacks") or {}).items():
         rank_zero_info(f"Instantiating callback {name} <{node._target_}>")
@@ -39,6 +72,12 @@ def main(cfg: DictConfig) -> None:
     if ckpt_path == "last":
         ckpt_path = latest_checkpoint(trainer) or "last"
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    return trainer
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,22 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from ckpt_plugin.config import register_configs
-from ckpt_plugin.examples.gpt import GPT
-from ckpt_plugin.examples.resnet import ResNet
+from ckpt_plugin.configs import register_configs
+from ckpt_examples.gpt import GPT
+from ckpt_examples.resnet import ResNet
+from recipes.train import train  # noqa: F401  (also registers the recipe's resolver, as running it does)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "recipes" / "configs"  # the recipe's own: train.yaml, trainer, callbacks/model_checkpoint
 RECIPE = ROOT / "recipes" / "train.py"
+# Where each config group lives: the plugin ships only ckpt and callbacks/activation_checkpointing;
+# the example model and data groups ship with ckpt_examples; the rest is the recipe's.
+GROUP_DIRS = {
+    "ckpt": ROOT / "ckpt_plugin" / "configs" / "ckpt",
+    "model": ROOT / "ckpt_examples" / "configs" / "model",
+    "data": ROOT / "ckpt_examples" / "configs" / "data",
+    "trainer": CONFIGS / "trainer",
+}
 
 # Small enough that a subprocess run of the recipe takes seconds.
 TINY_GPT = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "data.batch_size=4"]

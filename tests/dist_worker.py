@@ -27,11 +27,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 
-from ckpt_plugin.examples.gpt import GPT, shard_blocks
+from ckpt_examples.gpt import GPT, shard_blocks
+from ckpt_plugin import ActivationCheckpointing
 
-CONFIGS = str(Path(__file__).resolve().parents[1] / "ckpt_plugin" / "configs")
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = str(ROOT / "recipes" / "configs")
 CPU_TARGETS = {  # Lightning refuses these strategies on CPU; test-only subclasses (cpu_strategies.py)
     "fsdp": "cpu_strategies.CPUFSDPStrategy",
     "deepspeed_zero1": "cpu_strategies.CPUDeepSpeedStrategy",
@@ -132,11 +133,11 @@ def main(preset: str, out: Path, overrides: list[str]) -> None:
             "ckpt.layers=ckpt.blocks.*", f"data.block_size={SIZE['block_size']}",
             f"data.batch_size={SIZE['batch_size']}", *target, *overrides,
         ])
-    pl.seed_everything(cfg.seed)
-    callback = instantiate(cfg.callbacks.activation_checkpointing)
-    trainer = instantiate(cfg.trainer, callbacks=[callback])
+    from recipes.train import train  # after __main__ has put the checkout on sys.path
+
     model = Pair()
-    trainer.fit(model, datamodule=instantiate(cfg.data))
+    trainer = train(cfg, model=model)  # the recipe itself, fitting the pair instead of cfg.model
+    callback = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size, "wrapped": callback.wrapped,
@@ -148,5 +149,7 @@ def main(preset: str, out: Path, overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_strategies
+    # A script, not a test module: pytest's pythonpath does not reach it. cpu_strategies lives
+    # beside it; recipes.train at the root of the checkout.
+    sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), str(ROOT)]
     main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])

@@ -10,8 +10,8 @@ from conftest import gpt_batch, small_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, remove_checkpointing, wrapped_modules
-from ckpt_plugin.examples.gpt import GPT, TransformerBlock
-from ckpt_plugin.wrapping import CheckpointedForward
+from ckpt_examples.gpt import GPT, TransformerBlock
+from ckpt_plugin.engine.wrap import CheckpointedForward
 
 
 def test_apply_returns_the_wrapped_names_in_model_order() -> None:

@@ -16,11 +16,11 @@ from conftest import gpt_batch, small_gpt
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
-from ckpt_plugin.auto import OPTIONS, Budget, Cost, LayerProfile, parse_budget, plan, profile, resolve
-from ckpt_plugin.measure import REST, saved_bytes, step_flops, step_memory
-from ckpt_plugin.policies import make_policy
-from ckpt_plugin.treatment import Treatment
-from ckpt_plugin.wrapping import CheckpointedForward
+from ckpt_plugin.planning.profile import OPTIONS, Budget, Cost, LayerProfile, parse_budget, plan, profile, resolve
+from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memory
+from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.treatment import Treatment
+from ckpt_plugin.engine.wrap import CheckpointedForward
 
 N_LAYER = 6
 BLOCKS = [f"blocks.{i}" for i in range(N_LAYER)]

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError, set_checkpoint_early_stop
 
 from ckpt_plugin import apply_checkpointing
-from ckpt_plugin.recompute_check import RecomputationMismatch, checking_recomputed_values
+from ckpt_plugin.engine.recompute_check import RecomputationMismatch, checking_recomputed_values
 
 MODELS = {"gpt": "TransformerBlock", "resnet": "Bottleneck"}
 MODES = {

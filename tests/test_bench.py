@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_plugin.bench import MODELS, MODES, build, main, pareto_front
+from ckpt_tools.bench import MODELS, MODES, build, main, pareto_front
 
 AUTO = {"auto_0.25": 0.25, "auto_0.5": 0.5, "auto_0.75": 0.75}
 KEYS = ("peak_bytes", "act_peak_bytes", "flops_ratio", "time_ratio")
@@ -21,9 +21,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def run_bench(cwd: Path, modes: list[str]) -> tuple[list[str], Path]:
-    """``python -m ckpt_plugin.bench --quick --out tmp --modes ...`` in ``cwd``; returns its argv and out dir."""
+    """``python -m ckpt_tools.bench --quick --out tmp --modes ...`` in ``cwd``; returns its argv and out dir."""
     args = ["--quick", "--out", "tmp", "--modes", ",".join(modes)]
-    cmd = [sys.executable, "-m", "ckpt_plugin.bench", *args]
+    cmd = [sys.executable, "-m", "ckpt_tools.bench", *args]
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
     if proc.returncode != 0:
@@ -96,7 +96,7 @@ def test_full_costs_what_hand_written_checkpointing_costs(fixed) -> None:
 def test_table_starts_with_the_command_line(fixed) -> None:
     args, out, _ = fixed
     text = (out / "results.md").read_text()
-    command = "python -m ckpt_plugin.bench " + " ".join(args)
+    command = "python -m ckpt_tools.bench " + " ".join(args)
     assert command in text.split("## ")[0]
     for model in MODELS:
         assert f"## {model}" in text

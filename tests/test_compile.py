@@ -53,8 +53,8 @@ from torch._dynamo.utils import counters
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin._compat import storage_key
-from ckpt_plugin.measure import saved_bytes
-from ckpt_plugin.treatment import NAMES_UNDER_COMPILE
+from ckpt_plugin.measure.memory import saved_bytes
+from ckpt_plugin.engine.treatment import NAMES_UNDER_COMPILE
 
 needs_cxx = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None, reason="CPU inductor needs a C++ compiler"

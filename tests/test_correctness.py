@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, wrapped_modules
-from ckpt_plugin.examples.data import ImageData, TextData
-from ckpt_plugin.examples.gpt import GPT
-from ckpt_plugin.examples.resnet import ResNet, ResStage
+from ckpt_examples.data import ImageData, TextData
+from ckpt_examples.gpt import GPT
+from ckpt_examples.resnet import ResNet, ResStage
 
 # --------------------------------------------------------------------------- helpers
 

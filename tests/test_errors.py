@@ -21,7 +21,7 @@ import pytest
 from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
-from ckpt_plugin.wrapping import CheckpointedForward
+from ckpt_plugin.engine.wrap import CheckpointedForward
 from conftest import FAST, TINY_GPT, run_recipe, small_gpt
 
 GPT_CLASSES = {

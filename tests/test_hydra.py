@@ -28,17 +28,17 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ckpt_plugin import ActivationCheckpointing
-from ckpt_plugin.config import MODES
-from ckpt_plugin.deepspeed_ckpt import DeepSpeedCheckpointing
-from ckpt_plugin.examples.data import ImageData, TextData
-from ckpt_plugin.examples.gpt import GPT
-from ckpt_plugin.examples.resnet import ResNet
-from conftest import CONFIGS, FAST, TINY_GPT, TINY_RESNET, compose_train, run_recipe
+from ckpt_plugin.config.schema import MODES
+from ckpt_plugin.config.deepspeed import DeepSpeedCheckpointing
+from ckpt_examples.data import ImageData, TextData
+from ckpt_examples.gpt import GPT
+from ckpt_examples.resnet import ResNet
+from conftest import GROUP_DIRS, FAST, TINY_GPT, TINY_RESNET, compose_train, run_recipe
 
 
 def _presets(group: str) -> list[str]:
-    names = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
-    assert names, f"no presets found in {CONFIGS / group}"
+    names = sorted(p.stem for p in GROUP_DIRS[group].glob("*.yaml"))
+    assert names, f"no presets found in {GROUP_DIRS[group]}"
     return names
 
 
@@ -86,7 +86,7 @@ RECIPE_CASES: dict[str, tuple[list[str], str, dict[str, str] | None]] = {
     "default": ([*TINY_GPT], "GPT", GPT_BLOCKS),
     "class-name": ([*TINY_GPT, "ckpt.layers=TransformerBlock"], "GPT", GPT_BLOCKS),
     "class-list": ([*TINY_GPT, "ckpt.layers=[TransformerBlock]"], "GPT", GPT_BLOCKS),
-    "dotted-class-path": ([*TINY_GPT, "ckpt.layers=ckpt_plugin.examples.gpt.TransformerBlock"], "GPT", GPT_BLOCKS),
+    "dotted-class-path": ([*TINY_GPT, "ckpt.layers=ckpt_examples.gpt.TransformerBlock"], "GPT", GPT_BLOCKS),
     # 'blocks.*' also matches blocks.0.attn, blocks.0.mlp.fc, ...: only the outermost are wrapped.
     "glob": ([*TINY_GPT, "ckpt.layers=blocks.*"], "GPT", GPT_BLOCKS),
     # quoted for Hydra's override grammar ('[' would start a list), as on a shell command line

@@ -11,8 +11,8 @@ from conftest import TINY_GPT, TINY_RESNET, gpt_batch, small_gpt
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import wrapped_modules
-from ckpt_plugin.inspection import inspect_step
-from ckpt_plugin.measure import REST
+from ckpt_tools.inspection import inspect_step
+from ckpt_plugin.measure.memory import REST
 
 
 def test_inspect_step_full_on_gpt_is_exact() -> None:

@@ -8,7 +8,7 @@ from conftest import gpt_batch, small_gpt
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import apply_checkpointing
-from ckpt_plugin.measure import REST, saved_bytes, step_flops, step_memory
+from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memory
 
 N_LAYER = 6
 

@@ -24,9 +24,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from ckpt_plugin.functional import checkpoint
-from ckpt_plugin.measure import saved_bytes, step_flops
-from ckpt_plugin.policies import SelectivePolicy, checkpoint_name, make_policy
+from ckpt_plugin.engine.functional import checkpoint
+from ckpt_plugin.measure.memory import saved_bytes, step_flops
+from ckpt_plugin.engine.policies import SelectivePolicy, checkpoint_name, make_policy
 
 aten = torch.ops.aten
 F64 = 8  # bytes per float64 element
@@ -344,7 +344,7 @@ def test_jax_seed_saved_residuals():
 
 def test_saved_outputs_go_through_the_callers_saved_tensor_hooks(monkeypatch):
     """What a policy saves is offloaded like anything autograd saves (the hooks see it)."""
-    from ckpt_plugin.offload import Offloading, offloading
+    from ckpt_plugin.engine.offload import Offloading, offloading
 
     monkeypatch.setattr(Offloading, "_in_host_memory", ())  # run the copy path on CPU
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
@@ -359,7 +359,7 @@ def test_saved_outputs_go_through_the_callers_saved_tensor_hooks(monkeypatch):
 
 
 def test_offload_true_gives_equal_gradients(monkeypatch):
-    from ckpt_plugin.offload import Offloading
+    from ckpt_plugin.engine.offload import Offloading
 
     monkeypatch.setattr(Offloading, "_in_host_memory", ())
     model = small_gpt(torch.float64)

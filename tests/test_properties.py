@@ -63,9 +63,9 @@ from torch.utils._pytree import tree_leaves
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin._compat import TorchDispatchMode, outer_saved_tensors_hooks
-from ckpt_plugin.chain import ATTR
-from ckpt_plugin.offload import Offloading
-from ckpt_plugin.wrapping import CheckpointedForward, policy_of
+from ckpt_plugin.engine.chain import ATTR
+from ckpt_plugin.engine.offload import Offloading
+from ckpt_plugin.engine.wrap import CheckpointedForward, policy_of
 from random_models import (
     CLASSES,
     KINDS,

@@ -10,8 +10,8 @@ from torch.nn.modules import module as nn_module
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckpt_plugin import apply_checkpointing, checkpoint, checkpoint_name
-from ckpt_plugin.measure import saved_bytes
-from ckpt_plugin.residuals import SavedRow, saved_activations
+from ckpt_plugin.measure.memory import saved_bytes
+from ckpt_plugin.measure.residuals import SavedRow, saved_activations
 
 F32 = torch.float32
 

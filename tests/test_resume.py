@@ -27,7 +27,7 @@ import torch
 from conftest import RECIPE
 from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
 
-from ckpt_plugin.resume import ResumableDataLoader, ResumableRNG
+from ckpt_plugin.lightning.resume import ResumableDataLoader, ResumableRNG
 
 MAX_STEPS = 16
 EVERY = 3  # last.ckpt every 3 optimizer steps

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import CategoryPeakTracker
-from ckpt_plugin.measure import saved_bytes, step_flops, step_memory
-from ckpt_plugin.scan import checkpoint_scan
+from ckpt_plugin.measure.memory import saved_bytes, step_flops, step_memory
+from ckpt_plugin.engine.scan import checkpoint_scan
 
 N_STEPS, EVERY = 1024, 32  # the numbers: k=1024 steps, a checkpoint every 32
 BATCH, DIM = 4, 16  # carry (BATCH, DIM)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_plugin import soak
-from ckpt_plugin.soak import DEFAULT_MODES, LiveStorages, Snapshot, main
+from ckpt_tools import soak
+from ckpt_tools.soak import DEFAULT_MODES, LiveStorages, Snapshot, main
 
 EXACT = Snapshot.EXACT
 WRAPPED = {"none": 0, "full": 4, "every_n_2": 2, "segments_sqrt": 4, "recursive": 4, "selective": 4, "names": 4,

@@ -24,8 +24,8 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 
-from ckpt_plugin.config import make_config
-from ckpt_plugin.strategies import prepare
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.lightning.strategies import prepare
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 N_LAYER, STEPS = 2, 4

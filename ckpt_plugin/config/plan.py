@@ -1,0 +1,101 @@
+"""One config becomes one plan; one function installs it. Every mode, ``auto`` included.
+
+    plan = plan_for(model, make_config(layers="TransformerBlock"))   # WrapPlan: what and how
+    install(model, plan)                                            # the engine puts it on
+
+:func:`plan_for` is the only place that reads a validated ``ckpt`` config and
+decides what the engine does: which modules (``engine/selection.py``), how
+each call runs (an ``engine.treatment.Treatment``), one checkpoint per layer or
+segments over a chain, or, for ``ckpt=auto``, what the planner chose from a
+profile. It dispatches on the config's type. Nothing here touches the model;
+:func:`apply_config` is ``install(model, plan_for(...))``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ckpt_plugin._compat import uncompiled
+from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
+from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
+from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
+from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.selection import select_layers
+from ckpt_plugin.engine.treatment import Treatment
+from ckpt_plugin.engine.wrap import install
+from ckpt_plugin.errors import Problem, raise_problems
+from ckpt_plugin.measure.sample import example_forward, scalar
+from ckpt_plugin.planning.budget import parse_budget, resolve
+from ckpt_plugin.planning.profile import profile, wrap_plan
+
+log = logging.getLogger("ckpt_plugin")
+
+
+def treatment_of(config: CkptConfig) -> Treatment:
+    """How every call of a layer selected by ``config`` runs (not for ``none`` or ``auto``)."""
+    if isinstance(config, OffloadConfig):
+        return Treatment(checkpointing=False, offload=True)
+    policy = None
+    if isinstance(config, SelectiveConfig):
+        policy = make_policy(config.policy, save_names=config.save_names, exclude_names=config.exclude_names)
+    deepspeed = getattr(config, "deepspeed", None)
+    return Treatment(
+        checkpointing=True,
+        preserve_rng_state=config.preserve_rng_state,
+        policy=policy,
+        offload=config.offload,
+        checkpoint_fn=deepspeed_checkpoint.checkpointed_call if deepspeed is not None else None,
+    )
+
+
+def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> WrapPlan:
+    """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
+
+    ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
+    profile; by default ``model(model.example_input_array)``.
+    """
+    model = uncompiled(model)
+    if isinstance(config, NoneConfig):
+        return WrapPlan()
+    names = select_layers(model, config.layers, config.every_n)
+    if isinstance(config, AutoConfig):
+        measured = profile(model, names, lambda: scalar((forward or example_forward(model))()))
+        chosen = measured.plan(resolve(parse_budget(config.budget), measured.no_ckpt_peak))  # raises if it cannot fit
+        return wrap_plan(chosen, config.preserve_rng_state)
+    segments = getattr(config, "segments", None)
+    if segments is None:
+        return WrapPlan((EachLayer(tuple(names), treatment_of(config)),))
+    if config.every_n != 1:
+        raise_problems([Problem(
+            "ckpt.segments",
+            f"ckpt.segments={segments} cannot be combined with ckpt.every_n={config.every_n}: "
+            "segments group consecutive layers", "drop one of the two")])
+    return WrapPlan((Segments(tuple(names), segments, treatment_of(config)),))
+
+
+def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> list[str]:
+    """Plan ``config`` on ``model`` and install the plan; returns the qualified names wrapped."""
+    plan = plan_for(model, config, forward)
+    names = install(model, plan)
+    if plan.summary:
+        log.info(plan.summary)
+    return names
+
+
+def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
+    """Checkpoint the layers of ``model`` named by the keys of the ``ckpt`` node.
+
+    >>> apply_checkpointing(gpt, layers="TransformerBlock")
+    ['blocks.0', 'blocks.1', ...]
+
+    Returns the qualified names wrapped, in model order. Applying again replaces
+    the previous wrapping (never wraps twice); ``mode="none"`` unwraps.
+    """
+    return apply_config(model, make_config(**ckpt_keys))
+
+
+__all__ = ["apply_checkpointing", "apply_config", "plan_for", "treatment_of"]

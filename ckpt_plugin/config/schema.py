@@ -1,0 +1,294 @@
+"""The typed schema of the ``ckpt`` config node, one dataclass per mode.
+
+Every mode is a small kw-only dataclass holding only its own fields. The same
+classes serve twice: Hydra's ConfigStore uses them as the schema of the YAML
+presets in ``configs/ckpt/`` (so ``ckpt.every_n=two`` is a type error before
+anything runs), and :func:`make_config` builds them from keyword arguments for
+the Python API, validating in ``__post_init__`` with errors that name the key,
+the value and what would work.
+
+The schema imports no framework (no torch, Lightning, Hydra or OmegaConf at
+import time), so Hydra's search-path plugin can register it in any app
+cheaply; validating a value that needs the engine (a policy's op names, a
+segment count) imports it then. Dispatch on a mode is by type
+(``isinstance(config, AutoConfig)``), never by comparing ``mode`` strings:
+``mode`` is only what a YAML preset or ``make_config(mode=...)`` selects the
+class by. The callback's ``_target_`` is added by the Hydra layer
+(``ckpt_plugin/configs``), not here.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ckpt_plugin.config.deepspeed import settings_of
+from ckpt_plugin.errors import ConfigError, closest_first, raise_problems
+
+MISSING = "???"  # OmegaConf's MISSING value, without importing OmegaConf (the schema loads no framework)
+
+
+def _quote_all(items: Iterable[str]) -> str:
+    return ", ".join(repr(i) for i in items)
+
+
+@dataclass(kw_only=True)
+class LayerSelection:
+    """Which modules to checkpoint; shared by every mode that wraps modules."""
+
+    # Class names ("TransformerBlock"), dotted class paths ("pkg.mod.Block"),
+    # module-name globs ("blocks.*") or regexes ("re:blocks\.[0-9]+"); a string or a list.
+    # Required; None (YAML null) until the user names them, so our message, not Hydra's, says so.
+    layers: Any = None
+    # Wrap every n-th matched layer (the n-th, 2n-th, ...): 1 wraps all of them.
+    every_n: int = 1
+
+    def _problems(self) -> list[str]:
+        problems = []
+        layers = self.layers
+        if layers is None or layers == MISSING:
+            problems.append(
+                "ckpt.layers is required: name the modules to checkpoint, e.g. "
+                "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'] "
+                "(or choose ckpt=none to switch checkpointing off)"
+            )
+        else:
+            if isinstance(layers, str):
+                layers = [layers]
+            if not isinstance(layers, Iterable) or isinstance(layers, (bytes, dict)):
+                problems.append(
+                    f"ckpt.layers={layers!r} ({type(layers).__name__}) must be a string or a list "
+                    "of strings: class names, dotted class paths, module-name globs or 're:' regexes"
+                )
+            else:
+                layers = list(layers)
+                bad = [x for x in layers if not isinstance(x, str) or not x.strip()]
+                if bad:
+                    problems.append(
+                        f"ckpt.layers: every entry must be a non-empty string, got {_quote_all(bad)}"
+                        if all(isinstance(b, str) for b in bad)
+                        else f"ckpt.layers: every entry must be a string, got {bad!r}"
+                    )
+                elif not layers:
+                    problems.append(
+                        "ckpt.layers=[] names no layers: give at least one class name or pattern, "
+                        "or choose ckpt=none to switch checkpointing off"
+                    )
+                else:
+                    self.layers = tuple(x.strip() for x in layers)
+        if isinstance(self.every_n, bool) or not isinstance(self.every_n, int):
+            problems.append(
+                f"ckpt.every_n={self.every_n!r} ({type(self.every_n).__name__}) must be an integer >= 1"
+            )
+        elif self.every_n < 1:
+            problems.append(
+                f"ckpt.every_n={self.every_n} must be >= 1: 1 wraps every matched layer, "
+                "2 every second one, ..."
+            )
+        return problems
+
+
+def _check_bool(key: str, value: Any) -> list[str]:
+    if isinstance(value, bool):
+        return []
+    return [f"ckpt.{key}={value!r} ({type(value).__name__}) must be true or false"]
+
+
+@dataclass(kw_only=True)
+class FullConfig(LayerSelection):
+    """``ckpt=full``: non-reentrant ``torch.utils.checkpoint`` around each selected module."""
+
+    mode: str = "full"
+    # Replay the forward's RNG state on recompute so dropout masks match (torch's default).
+    preserve_rng_state: bool = True
+    # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain.
+    segments: Any = None
+    # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
+    offload: bool = False
+    # null: torch's checkpoint. DeepSpeed's own checkpoint and its options (ckpt=deepspeed): a mapping
+    # of partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
+    # synchronize_checkpoint_boundary, profile.
+    deepspeed: Any = None
+
+    def __post_init__(self) -> None:
+        from ckpt_plugin.engine.sequential import segment_problems
+
+        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
+        problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
+        raise_problems(problems + self._deepspeed_problems())
+
+    def _deepspeed_problems(self) -> list[str]:
+        try:
+            self.deepspeed = settings_of(self.deepspeed)
+        except ValueError as err:
+            return [str(err)]
+        if self.deepspeed is None:
+            return []
+        problems = self.deepspeed.problems()
+        with_ds = "with ckpt.deepspeed (DeepSpeed's own checkpoint)"
+        if self.segments is not None:
+            problems.append(f"ckpt.segments={self.segments} cannot be combined {with_ds}: it checkpoints "
+                            "layer by layer; drop ckpt.segments")
+        if self.offload is True:
+            problems.append(f"ckpt.offload=true cannot be combined {with_ds}: use "
+                            "ckpt.deepspeed.cpu_checkpointing=true (with partition_activations=true)")
+        if self.preserve_rng_state is False:
+            problems.append(f"ckpt.preserve_rng_state=false cannot be combined {with_ds}: DeepSpeed's "
+                            "checkpoint always replays the RNG state")
+        return problems
+
+
+@dataclass(kw_only=True)
+class SelectiveConfig(LayerSelection):
+    """``ckpt=selective``: save the outputs of chosen ops, recompute the rest (torch's SAC)."""
+
+    mode: str = "selective"
+    # 'matmuls', 'matmuls_no_batch', 'names', or a list of aten op names ([aten.mm, aten.addmm]).
+    policy: Any = "matmuls"
+    # With policy=names: save exactly the checkpoint_name tensors named here ...
+    save_names: Any = None
+    # ... or every named tensor except these.
+    exclude_names: Any = None
+    preserve_rng_state: bool = True
+    segments: Any = None
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        from ckpt_plugin.engine.policies import make_policy
+        from ckpt_plugin.engine.sequential import segment_problems
+
+        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
+        problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
+        try:
+            make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
+        except ValueError as err:
+            problems.append(str(err))
+        raise_problems(problems)
+
+
+@dataclass(kw_only=True)
+class OffloadConfig(LayerSelection):
+    """``ckpt=offload``: no recompute; what the selected layers save lives in CPU memory."""
+
+    mode: str = "offload"
+
+    def __post_init__(self) -> None:
+        raise_problems(self._problems())
+
+
+@dataclass(kw_only=True)
+class AutoConfig(LayerSelection):
+    """``ckpt=auto``: per layer keep, selective or full, the least recompute that fits a budget."""
+
+    mode: str = "auto"
+    # A fraction of the activation peak without checkpointing (0.4) or a size (2GiB). Required.
+    budget: Any = None
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        from ckpt_plugin.planning.budget import parse_budget
+
+        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
+        try:
+            parse_budget(self.budget)
+        except ValueError as err:
+            problems.append(str(err))
+        raise_problems(problems)
+
+
+@dataclass(kw_only=True)
+class NoneConfig:
+    """``ckpt=none``: train without checkpointing.
+
+    It accepts (and ignores) the keys of every other mode, so that ``ckpt=none``
+    can be added to any command line that sets ``ckpt.*``, for an A/B run.
+    Nothing is wrapped, so no value can be wrong.
+    """
+
+    mode: str = "none"
+    layers: Any = None
+    every_n: Any = 1
+    preserve_rng_state: Any = True
+    segments: Any = None
+    offload: Any = False
+    policy: Any = None
+    save_names: Any = None
+    exclude_names: Any = None
+    budget: Any = None
+    deepspeed: Any = None
+
+
+MODES: dict[str, type] = {
+    "full": FullConfig,
+    "selective": SelectiveConfig,
+    "offload": OffloadConfig,
+    "auto": AutoConfig,
+    "none": NoneConfig,
+}
+
+CkptConfig = FullConfig | SelectiveConfig | OffloadConfig | AutoConfig | NoneConfig
+
+
+def user_keys(cls: type) -> list[str]:
+    """The keys a user may set for one mode (``mode`` aside: it chose the class)."""
+    return [f.name for f in fields(cls) if f.name != "mode"]
+
+
+def make_config(**keys: Any) -> CkptConfig:
+    """Build and validate the config of one mode from the keys of the ``ckpt`` node."""
+    keys.pop("_target_", None)
+    mode = keys.pop("mode", "full")
+    if mode not in MODES:
+        raise ValueError(
+            f"ckpt.mode={mode!r} is not a mode; valid modes, closest first: "
+            f"{_quote_all(closest_first(str(mode), MODES))}"
+        )
+    cls = MODES[mode]
+    valid = user_keys(cls)
+    problems = []
+    for key in (k for k in keys if k not in valid):
+        near = difflib.get_close_matches(key, valid, n=1)
+        problems.append(
+            f"unknown key ckpt.{key}" + (f" (did you mean ckpt.{near[0]}?)" if near else "")
+            + f" for ckpt mode {mode!r}; valid keys: {', '.join(valid)}"
+        )
+    try:
+        config = cls(**{k: _plain(v) for k, v in keys.items() if k in valid})
+    except ConfigError as err:  # the values' problems, reported with the keys' problems
+        if not problems:
+            raise
+        problems += err.problems
+    raise_problems(problems)
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (from Hydra) to plain Python, so checks see lists and dicts."""
+    if type(value).__module__.startswith("omegaconf"):  # only a Hydra user hands us these
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def as_keys(config: CkptConfig) -> dict[str, Any]:
+    """The inverse of :func:`make_config`: keyword arguments that rebuild ``config``."""
+    return asdict(config)
+
+
+__all__ = [
+    "AutoConfig",
+    "FullConfig",
+    "OffloadConfig",
+    "SelectiveConfig",
+    "LayerSelection",
+    "MODES",
+    "CkptConfig",
+    "NoneConfig",
+    "as_keys",
+    "make_config",
+    "user_keys",
+]
+

@@ -1,0 +1,54 @@
+"""DeepSpeed's own checkpoint for the engine: ``configure`` with every option, and one checkpointed call.
+
+Used when ``ckpt.deepspeed`` is set (see ``config/deepspeed.py`` for why the
+plugin otherwise keeps torch's checkpoint under DeepSpeed). DeepSpeed is
+imported on use: nothing here loads it unless a plan asks for it. The settings
+object is anything with DeepSpeed's six option names as attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckpt_plugin.engine.norms import keep_running_stats
+
+
+def configure(settings: Any) -> None:
+    """``deepspeed.checkpointing.configure`` with every option (needs the process group)."""
+    import deepspeed
+
+    deepspeed.checkpointing.configure(
+        mpu_=None,
+        partition_activations=settings.partition_activations,
+        contiguous_checkpointing=settings.contiguous_memory_optimization,
+        num_checkpoints=settings.number_checkpoints,
+        checkpoint_in_cpu=settings.cpu_checkpointing,
+        synchronize=settings.synchronize_checkpoint_boundary,
+        profile=settings.profile,
+    )
+
+
+def checkpointed_call(fn: Callable[..., Any], stats: list, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` under ``deepspeed.checkpointing.checkpoint``.
+
+    DeepSpeed's checkpoint takes no ``context_fn``: the BatchNorm fix
+    (pytorch#96136) wraps the function instead, undoing what its second call,
+    the recomputation, writes into running statistics.
+    """
+    import deepspeed
+
+    calls = 0
+
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*inner_args, **inner_kwargs)
+        with keep_running_stats(stats):
+            return fn(*inner_args, **inner_kwargs)
+
+    return deepspeed.checkpointing.checkpoint(run, *args, **kwargs)  # it passes keyword tensors on itself
+
+
+__all__ = ["checkpointed_call", "configure"]

@@ -1,0 +1,225 @@
+"""Keep the tensors autograd saves for backward in CPU memory.
+
+    with offloading():          # saved activations go to (pinned) host memory ...
+        loss = model(x).sum()
+    loss.backward()             # ... and come back to the device when backward needs them
+
+    with offloading() as off:
+        loss = model.loss(batch)
+    off.stats.moved_bytes       # what that forward put in host memory
+
+With non-reentrant ``torch.utils.checkpoint`` inside the context, the
+innermost saved-tensor hooks win: a checkpointed region's own saves are
+checkpoint's business, and what is offloaded is what checkpoint keeps, the
+inputs of each region.
+
+What moves (``should_move``), from torch's ``save_on_cpu`` (moves everything)
+and torchtune's ``OffloadActivations`` (skips parameters and small tensors):
+
+- not parameters, views of them, or other leaves that require grad: the
+  model holds them anyway, a host copy would only add memory and traffic;
+- not storages under ``min_bytes``: the copy would cost more than it frees;
+- not tensor subclasses, sparse, quantized, nested or lazily conjugated
+  tensors: their bytes alone do not describe them;
+- tensors already in CPU memory stay as they are (the very same tensor).
+
+Copies are made per storage, not per tensor: views saved by several ops (q, k,
+v split from one qkv output) cost one copy, and each comes back with its own
+size, stride and offset, so backward runs on exactly the layout it would have
+had. A storage modified in place between two saves is copied again (the key
+includes the version counter, which views share).
+
+On CUDA the device-to-host copy runs on a side stream so it overlaps the
+forward: the side stream first waits for the compute stream (the copy reads
+finished data), ``record_stream`` keeps the allocator from giving the source
+block to another tensor before the copy has run, and an event recorded after
+the copy is what the compute stream waits on before bringing the bytes back in
+backward. Host buffers are pinned so both copies are asynchronous. The source
+is not otherwise protected from in-place writes during the copy: writing to a
+saved tensor bumps its version counter, and autograd refuses such a graph in
+backward anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from ckpt_plugin._compat import StorageWeakRef, outer_saved_tensors_hooks
+
+__all__ = ["OffloadStats", "Offloading", "offloading", "should_move"]
+
+NOTHING_TO_MOVE = "ckpt.offload: the saved activations are already in CPU memory; there is nothing to move"
+
+# The one piece of module state. Whether the activations live in CPU memory is
+# a fact about the process (its device), not about one context: the context is
+# entered on every training step, and a warning per step would flood the log.
+# Python's own once-per-location registry is reset by Lightning and pytest
+# filters, so it cannot be relied on. Tests reset it with `_reset_warn_once`.
+_warned_nothing_to_move = False
+
+
+def _reset_warn_once() -> None:
+    """For tests: let the next use of :func:`offloading` warn again that there is nothing to move."""
+    global _warned_nothing_to_move
+    _warned_nothing_to_move = False
+
+
+def _rank_zero() -> bool:
+    """Whether this process is the first of its job (as Lightning's rank_zero_warn decides, without Lightning):
+    the process group's rank once there is one, else the launcher's environment."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def should_move(t: torch.Tensor, min_bytes: int) -> bool:
+    """Whether ``t`` is worth keeping in host memory, judged by its role and size, not its device."""
+    root = t._base if t._base is not None else t  # a view of a weight is the weight
+    if isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad):
+        return False
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized:
+        return False
+    if t.is_conj() or t.is_neg() or t.device.type == "meta":  # the bytes alone would lose the lazy bit
+        return False
+    return t.untyped_storage().nbytes() >= min_bytes
+
+
+@dataclass
+class OffloadStats:
+    """What one use of the context did with the tensors autograd saved."""
+
+    moved_bytes: int = 0  # unique storages copied to host memory
+    moved_storages: int = 0
+    kept_on_device: int = 0  # saves left where they were: parameters, small, unsupported
+    already_on_cpu: int = 0  # saves that would have moved but were in CPU memory already
+
+
+class _HostCopy:
+    """The bytes of one device storage in host memory, and the way back."""
+
+    __slots__ = ("host", "device", "ready", "_restored")
+
+    def __init__(self, t: torch.Tensor, side: torch.cuda.Stream | None) -> None:
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # (nbytes,)
+        self.host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=t.is_cuda)
+        self.device = t.device
+        self.ready: torch.cuda.Event | None = None  # set once the copy is queued on the side stream
+        self._restored: weakref.ref[torch.Tensor] | None = None  # a view on the bytes brought back
+        if side is None:
+            self.host.copy_(src)
+            return
+        side.wait_stream(torch.cuda.current_stream(t.device))  # the producer has written src
+        with torch.cuda.stream(side):
+            self.host.copy_(src, non_blocking=True)
+        src.record_stream(side)  # src's block is not reused before the copy has run
+        self.ready = side.record_event()
+
+    def restore(self, dtype: torch.dtype, offset: int, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+        """The saved tensor back on its device; views unpacked by the same node share one copy."""
+        alive = self._restored() if self._restored is not None else None
+        if alive is not None:
+            storage = alive.untyped_storage()
+        else:
+            if self.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.ready)  # the host bytes are complete
+            storage = self.host.to(self.device, non_blocking=self.host.is_pinned()).untyped_storage()
+        view = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+        self._restored = weakref.ref(view)
+        return view
+
+
+_Packed = Any  # the tensor itself, or (_HostCopy, dtype, offset, size, stride)
+
+
+class Offloading(saved_tensors_hooks):
+    """Saved-tensor hooks that keep activations in host memory; build it with :func:`offloading`."""
+
+    # Device types whose memory is host memory: nothing to copy from them.
+    # Tests empty it in a subclass to run the copy path on a CPU-only machine.
+    _in_host_memory: tuple[str, ...] = ("cpu",)
+
+    def __init__(self, *, min_bytes: int = 1024) -> None:
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"ckpt.offload: min_bytes must be a whole number of bytes >= 0, got {min_bytes!r}")
+        self.min_bytes = min_bytes
+        self.stats = OffloadStats()  # of the last use; a fresh one on every `with`
+        self._copies: dict[tuple[StorageWeakRef, int], _HostCopy] = {}  # (storage, version) -> copy
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._outer: tuple[Any, Any] | None = None
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> Offloading:
+        self.stats = OffloadStats()
+        # What we keep on the device still goes through the hooks around us, so
+        # outer measurements (measure.saved_bytes) see it as autograd would.
+        self._outer = outer_saved_tensors_hooks()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _warned_nothing_to_move
+        super().__exit__(*exc)
+        self._copies.clear()  # the packed entries hold what they need
+        nothing_moved = self.stats.already_on_cpu and not self.stats.moved_bytes
+        if nothing_moved and exc[0] is None and not _warned_nothing_to_move:
+            _warned_nothing_to_move = True
+            if _rank_zero():
+                warnings.warn(NOTHING_TO_MOVE, UserWarning, stacklevel=2)  # points at the user's `with`
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
+
+    def _pack(self, t: torch.Tensor) -> _Packed:
+        if not should_move(t, self.min_bytes):
+            self.stats.kept_on_device += 1
+            return self._keep(t)
+        if t.device.type in self._in_host_memory:
+            self.stats.already_on_cpu += 1
+            return self._keep(t)
+        key = (StorageWeakRef(t.untyped_storage()), t._version)
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._copies[key] = _HostCopy(t, self._side_stream(t.device) if t.is_cuda else None)
+            self.stats.moved_bytes += copy.host.numel()
+            self.stats.moved_storages += 1
+        return copy, t.dtype, t.storage_offset(), t.size(), t.stride()
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        # Detached, as in measure.SavedCounter.pack: the tensor itself would make a cycle (pytorch#115255).
+        return t.detach() if self._outer is None else _Outer(self._outer[0](t), self._outer[1])
+
+    def _unpack(self, packed: _Packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        copy, *layout = packed
+        return copy.restore(*layout)
+
+
+@dataclass
+class _Outer:
+    """A tensor kept on its device, packed by the hooks that were active around ours."""
+
+    packed: Any
+    unpack: Any
+
+
+def offloading(*, min_bytes: int = 1024) -> Offloading:
+    """Context under which the tensors autograd saves for backward are kept in CPU memory.
+
+    ``min_bytes``: storages smaller than this stay on the device (torchtune's
+    default too). ``with offloading() as off:`` gives ``off.stats``
+    (:class:`OffloadStats`) of that use.
+    """
+    return Offloading(min_bytes=min_bytes)

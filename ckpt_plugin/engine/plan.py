@@ -1,0 +1,52 @@
+"""A plan: what to wrap and how, as data. :func:`ckpt_plugin.engine.wrap.install` installs any plan.
+
+Every mode becomes one (``full``, ``selective``, ``offload``, ``segments``,
+``recursive`` and ``auto`` alike): the config layer (``config/plan.py``) or
+the planner decides, the engine installs. A plan names modules by qualified
+name, so it is checked against a model before anything is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpt_plugin.engine.treatment import Treatment
+
+
+@dataclass(frozen=True)
+class EachLayer:
+    """Every module named runs its own forward under ``treatment`` (one checkpoint per call)."""
+
+    names: tuple[str, ...]
+    treatment: Treatment
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The modules named form a chain cut into ``segments`` checkpointed regions (int, 'sqrt' or 'recursive')."""
+
+    names: tuple[str, ...]
+    segments: int | str
+    treatment: Treatment
+
+
+Group = EachLayer | Segments
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    """What :func:`~ckpt_plugin.engine.wrap.install` puts on a model; empty: nothing wrapped.
+
+    ``summary`` is what the planner wants said when the plan is installed (``ckpt=auto``'s table).
+    """
+
+    groups: tuple[Group, ...] = ()
+    summary: str = ""
+
+    @property
+    def names(self) -> list[str]:
+        """Every module the plan wraps, in plan order."""
+        return [name for group in self.groups for name in group.names]
+
+
+__all__ = ["EachLayer", "Group", "Segments", "WrapPlan"]

@@ -1,0 +1,431 @@
+"""Selective checkpointing: save the outputs of chosen ops, recompute the rest.
+
+JAX's checkpoint policies, for PyTorch's non-reentrant checkpoint::
+
+    policy = make_policy("matmuls")                      # jax dots_saveable
+    policy = make_policy("matmuls_no_batch")             # dots_with_no_batch_dims_saveable
+    policy = make_policy("names", save_names=["attn"])   # save_only_these_names
+    policy = make_policy("names", exclude_names=["h"])   # save_any_names_but_these
+    policy = make_policy(["aten.mm", "addmm"])           # an explicit op list
+    out = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, context_fn=policy.context_fn)
+
+    python recipes/train.py ckpt=selective ckpt.layers=TransformerBlock ckpt.policy=matmuls
+
+The decision is torch's (``SelectivePolicy`` is a ``create_selective_checkpoint_contexts``
+policy function), but ``context_fn`` returns our own pair of dispatch modes
+rather than torch's, for one reason: torch keeps the saved outputs in a private
+dict that ``saved_tensors_hooks`` never see, so they escape both our
+measurements (``measure.saved_bytes``) and CPU offloading. Ours hand every
+saved output to the hooks that were active around the checkpoint call, exactly
+as autograd hands it the tensors it saves. (Under ``torch.compile``, which wants
+torch's own modes, pass ``lambda: create_selective_checkpoint_contexts(policy)``;
+``checkpoint_name`` tags are then not emitted.)
+
+Random ops are always recomputed: a saved op is not run again, so if it drew
+random numbers the recomputation's RNG stream (replayed from the forward's
+state by ``preserve_rng_state``) would fall out of step with the forward for
+every later random op. Naming a random op in an op list is an error;
+attention counts as random only in calls with ``dropout_p > 0``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ckpt_plugin.errors import closest_first, raise_problems
+
+from ckpt_plugin._compat import TorchDispatchMode, argument as _argument, is_mutable as _is_mutable
+from ckpt_plugin._compat import outer_saved_tensors_hooks as _outer_saved_tensors_hooks, version as _version
+
+
+_Packet = type(torch.ops.aten.mm)
+_ABSENT = object()
+
+# Every matmul-like op (JAX dots_saveable saves dot_general and conv_general_dilated).
+# Composite ops (linear, matmul, conv2d, scaled_dot_product_attention) usually decompose
+# before dispatch and are listed for the tracers that keep them whole.
+MATMULS_NO_BATCH = (
+    "mm", "addmm", "_addmm_activation", "mv", "addmv", "dot", "vdot", "linear", "_int_mm", "_scaled_mm",
+)
+MATMULS = MATMULS_NO_BATCH + (
+    "bmm", "baddbmm", "matmul", "_grouped_mm", "_scaled_grouped_mm",
+    "convolution", "_convolution", "convolution_overrideable", "cudnn_convolution",
+    "cudnn_convolution_transpose", "mkldnn_convolution", "_slow_conv2d_forward",
+    "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+POLICIES = ("matmuls", "matmuls_no_batch", "names")
+
+# Ops that checkpoint itself runs a different number of times in forward and recompute
+# (torch's SAC_IGNORED_OPS): counting them would misalign the replay.
+_UNCOUNTED = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+
+
+# ---------------------------------------------------------------------- checkpoint_name
+
+# Not "ckpt_plugin::name": torch.ops.<namespace>.name is the namespace's own name string.
+@torch.library.custom_op("ckpt_plugin::checkpoint_name", mutates_args=())
+def _name(x: torch.Tensor, name: str) -> torch.Tensor:
+    # A copy: a custom op may not return its input. The copy is what gets saved.
+    return x.clone()
+
+
+@_name.register_fake
+def _(x: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_name.register_autograd(lambda ctx, grad: (grad, None))
+_NAME_OP = torch.ops.ckpt_plugin.checkpoint_name.default
+
+# True while a region whose policy goes by names runs its forward or its recomputation.
+# This is not hidden global state: like grad mode or autocast, the value is scoped to the
+# dynamic extent of one region (set on entry, reset by token on exit), per thread and
+# per async context, so it never outlives the region nor leaks into another model.
+_NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_plugin_naming", default=False)
+
+
+def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Tag ``x`` so that a ``policy="names"`` region can save or recompute it by ``name``.
+
+    JAX's ``checkpoint_name``. Outside such a region it returns ``x`` itself:
+    no op and no copy, so tagged model code costs nothing when not checkpointed.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"checkpoint_name expects a tensor, got {type(x).__name__}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"checkpoint_name: the name must be a non-empty string, got {name!r}")
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace ContextVar.get (a graph break per tag). Compiled, tags are inert:
+        # a names region refuses torch.compile (treatment.NAMES_UNDER_COMPILE).
+        return x
+    return _NAME_OP(x, name) if _NAMING.get() else x
+
+
+# ---------------------------------------------------------------------- op names
+
+def _aten_op_names() -> list[str]:
+    aten = torch.ops.aten
+    return [n for n in dir(aten) if not n.startswith("__") and isinstance(getattr(aten, n, None), _Packet)]
+
+
+def _refusal(op: Any) -> str | None:
+    """Why saving ``op``'s output could not be honoured, or None when it can."""
+    if _is_mutable(op):
+        return "writes into its input (in-place or out=); only functional ops can be saved"
+    if op.is_view:
+        return "returns a view of its input; saving it keeps nothing of its own"
+    if torch.Tag.nondeterministic_seeded in op.tags and _argument(op, (), {}, "dropout_p", _ABSENT) is _ABSENT:
+        return ("draws random numbers: a saved random op is not replayed by the recomputation, which "
+                "would shift the random numbers of every later op; random ops are always recomputed")
+    return None
+
+
+def resolve_op(text: str) -> tuple[list[Any], str | None]:
+    """``"aten.mm"``, ``"mm"``, ``"aten::mm.default"``, ``"torch.ops.aten.mm"`` -> overloads.
+
+    A packet gives its functional overloads. Returns ``(overloads, problem)``.
+    """
+    spec = text.strip().removeprefix("torch.ops.").replace("::", ".").removeprefix("aten.")
+    name, _, overload = spec.partition(".")
+    packet = getattr(torch.ops.aten, name, None) if name and "." not in overload else None
+    if not isinstance(packet, _Packet):
+        near = ", ".join(closest_first(name or spec, _aten_op_names())[:6])
+        return [], f"ckpt.policy: unknown op {text!r}; closest aten ops: {near}"
+    if overload:
+        if overload not in packet.overloads():
+            return [], (f"ckpt.policy: aten.{name} has no overload {overload!r}; its overloads: "
+                        f"{', '.join(closest_first(overload, packet.overloads()))}")
+        op = getattr(packet, overload)
+        why = _refusal(op)
+        return ([], f"ckpt.policy: {text!r} {why}") if why else ([op], None)
+    ops = [getattr(packet, o) for o in packet.overloads()]
+    usable = [op for op in ops if _refusal(op) is None]
+    if not usable:
+        return [], f"ckpt.policy: {text!r} {_refusal(ops[0])}"
+    return usable, None
+
+
+def _builtin_ops(names: Iterable[str]) -> frozenset:
+    # Ops missing from this torch build (or this platform) are simply absent.
+    return frozenset(op for n in names if hasattr(torch.ops.aten, n) for op in resolve_op(n)[0])
+
+
+def _draws_random(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call consumes random numbers (attention does only with dropout)."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    return _argument(op, args, kwargs, "dropout_p", _ABSENT) not in (0, 0.0)
+
+
+# ---------------------------------------------------------------------- the policy
+
+def _names(key: str, value: Any) -> tuple[tuple[str, ...] | None, list[str]]:
+    if value is None:
+        return None, []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Iterable) or isinstance(value, (bytes, dict)):
+        return None, [f"ckpt.{key}={value!r} ({type(value).__name__}) must be a name or a list of names"]
+    value = list(value)
+    bad = [v for v in value if not isinstance(v, str) or not v.strip()]
+    if bad or not value:
+        return None, [f"ckpt.{key}={value!r}: give one or more non-empty names used with checkpoint_name"]
+    return tuple(dict.fromkeys(v.strip() for v in value)), []
+
+
+class SelectivePolicy:
+    """Which op outputs a checkpointed region saves; everything else is recomputed.
+
+    Build it with :func:`make_policy`. It is a ``torch.utils.checkpoint`` policy
+    function (``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``) and gives
+    the ``context_fn`` for ``checkpoint(..., use_reentrant=False, context_fn=...)``.
+    ``seen_names`` collects the ``checkpoint_name`` tags met by forwards so far.
+    """
+
+    def __init__(self, policy: Any, *, save_names: Any = None, exclude_names: Any = None) -> None:
+        save, problems = _names("save_names", save_names)
+        exclude, more = _names("exclude_names", exclude_names)
+        problems += more
+        self.save_names, self.exclude_names = save, exclude
+        self.ops: frozenset = frozenset()
+        keys = (("save_names", save_names), ("exclude_names", exclude_names))
+        given = [f"ckpt.{k}" for k, v in keys if v is not None]
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                problems.append(f"ckpt.policy={policy!r} is not a policy; valid policies, closest first: "
+                                f"{', '.join(closest_first(policy, POLICIES))}, or a list of aten op names")
+            elif policy == "names":
+                if save_names is not None and exclude_names is not None:
+                    problems.append("ckpt.save_names and ckpt.exclude_names are both set: give one, "
+                                    "save_names to save only those names, exclude_names to save every name but those")
+                elif save_names is None and exclude_names is None:
+                    problems.append("ckpt.policy=names needs ckpt.save_names (save only these names) or "
+                                    "ckpt.exclude_names (save every name but these)")
+            else:
+                self.ops = _builtin_ops(MATMULS if policy == "matmuls" else MATMULS_NO_BATCH)
+        elif isinstance(policy, Iterable) and not isinstance(policy, (bytes, dict)):
+            policy = tuple(policy)
+            if not policy:
+                problems.append("ckpt.policy=[] names no ops: give aten op names such as [mm, addmm], "
+                                f"or one of {', '.join(POLICIES)}")
+            ops = set()
+            for text in policy:
+                if not isinstance(text, str):
+                    problems.append(f"ckpt.policy: op names must be strings, got {text!r}")
+                    continue
+                if text in POLICIES:
+                    problems.append(f"ckpt.policy: {text!r} is a policy, not an op: write ckpt.policy={text}")
+                    continue
+                found, problem = resolve_op(text)
+                ops.update(found)
+                problems += [problem] if problem else []
+            self.ops = frozenset(ops)
+        elif policy is not None or not given:  # None with names: the names' problem below says it
+            problems.append(f"ckpt.policy={policy!r} ({type(policy).__name__}) must be one of "
+                            f"{', '.join(POLICIES)} or a list of aten op names")
+        if given and policy != "names":
+            verb = "needs" if len(given) == 1 else "need"
+            problems.append(f"{' and '.join(given)} {verb} ckpt.policy=names, got ckpt.policy={policy!r}")
+        raise_problems(problems, "the selective checkpointing policy")
+        self.policy = policy
+        self.seen_names: set[str] = set()
+
+    @property
+    def uses_names(self) -> bool:
+        return self.policy == "names"
+
+    def saves(self, op: Any, args: tuple, kwargs: dict, *, record: bool = True) -> bool:
+        """Whether the output of this call of ``op`` is kept for backward."""
+        if op is _NAME_OP:
+            if not self.uses_names:  # a names region nested in this one tags for itself
+                return False
+            name = args[1]
+            if record:
+                self.seen_names.add(name)
+            return name in self.save_names if self.save_names is not None else name not in self.exclude_names
+        # A saved random op would not be replayed (see _refusal): recompute that call.
+        return op in self.ops and not _draws_random(op, args, kwargs)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        keep = self.saves(op, args, kwargs, record=not getattr(ctx, "is_recompute", False))
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        """(forward, recompute) contexts for one checkpointed call; give it to ``checkpoint``."""
+        region = _Region(self)
+        return _SaveMode(region), _ReplayMode(region)
+
+    def check_names(self) -> None:
+        """Raise if a name in save_names/exclude_names was never met by a forward."""
+        used = ", ".join(sorted(self.seen_names)) or "(none)"
+        problems = []
+        for key, names in (("save_names", self.save_names), ("exclude_names", self.exclude_names)):
+            for name in names or ():
+                if name not in self.seen_names:
+                    near = ", ".join(closest_first(name, self.seen_names)) or "(none)"
+                    problems.append(f"ckpt.{key}: no checkpoint_name in the model uses {name!r}; names used: {near}")
+        raise_problems(problems, f"the names of the policy (names used: {used})")
+
+    def __repr__(self) -> str:
+        keys = (("save_names", self.save_names), ("exclude_names", self.exclude_names))
+        names = "".join(f", {k}={v!r}" for k, v in keys if v)
+        return f"SelectivePolicy({self.policy!r}{names})"
+
+
+def make_policy(policy: Any, *, save_names: Any = None, exclude_names: Any = None) -> SelectivePolicy:
+    """Build and validate a :class:`SelectivePolicy` from the ``ckpt`` keys ``policy``,
+    ``save_names`` and ``exclude_names``; errors name those keys."""
+    return SelectivePolicy(policy, save_names=save_names, exclude_names=exclude_names)
+
+
+# ---------------------------------------------------------------------- the two modes
+
+def _mutated(op: Any) -> RuntimeError:
+    return RuntimeError(
+        f"selective checkpointing saved the output of {op} and it was then modified in place (an "
+        "inplace op such as ReLU(inplace=True) on it); the recomputation would use the modified "
+        f"value. Make that op out-of-place, or leave {op} out of ckpt.policy."
+    )
+
+
+class _Saved:
+    """One saved output: packed by the caller's hooks if any, else kept as a detached alias."""
+
+    __slots__ = ("op", "tensor", "version", "packed", "unpack")
+
+    def __init__(self, op: Any, out: torch.Tensor, hooks: tuple[Any, Any] | None) -> None:
+        self.op, self.version = op, _version(out)
+        # The op's own output until the forward ends: beneath autograd, a detached tensor
+        # gets a version counter of its own and would miss in-place writes to the output.
+        self.tensor: torch.Tensor | None = out
+        self.packed, self.unpack = (hooks[0](out.detach()), hooks[1]) if hooks else (None, None)
+
+    def end_of_forward(self) -> None:
+        out = self.tensor
+        # Let go of the output's autograd history, which would hold the region in a cycle.
+        # Packed: later writes cannot reach the packed copy. Otherwise a detached alias,
+        # made outside dispatch, shares the output's version counter.
+        self.tensor = None if self.unpack is not None else out.detach()
+        if _version(out) != self.version:
+            raise _mutated(self.op)
+
+    def value(self) -> torch.Tensor:
+        if self.unpack is not None:
+            return self.unpack(self.packed)
+        if _version(self.tensor) != self.version:
+            raise _mutated(self.op)
+        return self.tensor
+
+
+def _map(fn: Any, out: Any) -> Any:
+    """``fn`` over the leaves of an op's output (a tensor, or a tuple/list of tensors and others)."""
+    return type(out)(_map(fn, o) for o in out) if isinstance(out, (tuple, list)) else fn(out)
+
+
+class _Region:
+    """One checkpointed call: the outputs its forward saved, keyed by (op, n-th call of op)."""
+
+    def __init__(self, policy: SelectivePolicy) -> None:
+        self.policy = policy
+        # context_fn runs before checkpoint installs its own hooks: these are the caller's.
+        self.hooks = _outer_saved_tensors_hooks()
+        self.saved: dict[tuple[Any, int], Any] = {}
+        self.fresh: list[_Saved] = []  # saved by the forward running now
+
+    def save(self, key: tuple[Any, int], out: Any) -> None:
+        def one(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            self.fresh.append(_Saved(key[0], t, self.hooks))
+            return self.fresh[-1]
+
+        self.saved[key] = _map(one, out)
+
+
+class _RegionMode(TorchDispatchMode):
+    def __init__(self, region: _Region) -> None:
+        super().__init__()
+        self.region = region
+        self.calls: dict[Any, int] = defaultdict(int)
+
+    def key(self, op: Any) -> tuple[Any, int]:
+        self.calls[op] += 1
+        return op, self.calls[op] - 1
+
+    def __enter__(self) -> _RegionMode:
+        self.calls.clear()
+        self._token = _NAMING.set(self.region.policy.uses_names)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _NAMING.reset(self._token)
+
+
+class _SaveMode(_RegionMode):
+    """Forward: run every op, keep the outputs the policy saves."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in _UNCOUNTED:
+            key = self.key(func)
+            if self.region.policy.saves(func, args, kwargs):
+                self.region.save(key, out)
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        fresh, self.region.fresh = self.region.fresh, []
+        errors = []
+        for saved in fresh:  # every one lets go of its output, even past an error
+            try:
+                saved.end_of_forward()
+            except RuntimeError as err:
+                errors.append(err)
+        if errors and exc[0] is None:
+            raise errors[0]
+
+
+class _ReplayMode(_RegionMode):
+    """Recomputation: hand back what was saved, run everything else again."""
+
+    def __enter__(self) -> _RegionMode:
+        # Unpack here, outside dispatch: an unpack hook may run ops of its own (copies back
+        # from CPU, an enclosing checkpoint's recomputation).
+        unpack = lambda e: e.value() if isinstance(e, _Saved) else e  # noqa: E731
+        self.ready = {key: _map(unpack, entry) for key, entry in self.region.saved.items()}
+        # Consumed once: a second backward (retain_graph=True) recomputes everything.
+        self.region.saved.clear()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.ready = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = _RECOMPUTE if func in _UNCOUNTED else self.ready.pop(self.key(func), _RECOMPUTE)
+        return func(*args, **(kwargs or {})) if out is _RECOMPUTE else out
+
+
+_RECOMPUTE = object()
+
+__all__ = [
+    "MATMULS",
+    "MATMULS_NO_BATCH",
+    "POLICIES",
+    "SelectivePolicy",
+    "checkpoint_name",
+    "make_policy",
+    "resolve_op",
+]

@@ -1,0 +1,167 @@
+"""Wrap and unwrap modules with non-reentrant activation checkpointing.
+
+A selected module keeps its place, its class and its name: we set an
+instance-level ``forward`` that runs the class's own forward under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. ``nn.Module``
+looks ``forward`` up on the instance first, so hooks, ``state_dict`` keys and
+``named_parameters`` stay exactly as they were, unlike torch's
+``checkpoint_wrapper``, which inserts ``_checkpoint_wrapped_module`` into every
+key (pytorch#117399, pytorch#108269). Removing the attribute restores the
+module exactly.
+
+Recomputation replays the forward, and a BatchNorm in training mode would
+update its running statistics a second time (pytorch#96136, open upstream).
+The recompute context below snapshots every running-statistics buffer in the
+wrapped subtree and writes it back afterwards, so statistics match a run
+without checkpointing bit for bit.
+
+The recomputation must save what the forward saved; if it does not, the
+error names the module (``recompute_check.py``), which torch's does not.
+
+Under ``torch.compile``: apply, then compile, or compile, then apply. The
+compiled code runs whatever ``forward`` each module has when it is traced,
+and dynamo guards on it, so applying or removing after a compiled run
+recompiles (``tests/test_compile.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ckpt_plugin._compat import checkpoint_debug_enabled, uncompiled
+from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
+from ckpt_plugin.engine.plan import Segments, WrapPlan
+from ckpt_plugin.errors import raise_problems
+from ckpt_plugin.engine.norms import running_stats
+from ckpt_plugin.engine.sequential import schedule
+from ckpt_plugin.engine.treatment import Treatment
+
+class CheckpointedForward:
+    """The instance-level ``forward`` of a wrapped module.
+
+    ``inner`` is the forward the module had before (its class's, or an
+    instance-level one somebody else set, which ``remove`` puts back).
+    ``name`` is the module's qualified name, for errors: a recomputation that
+    saves something other than its forward did is reported with it
+    (``recompute_check.py``).
+    """
+
+    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_check_only", "_stats")
+
+    def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None) -> None:
+        self.previous = module.__dict__.get("forward")  # None: the class's forward
+        self.inner: Callable[..., Any] = module.forward
+        self.treatment = treatment
+        self.name = name
+        label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
+        self._stats = running_stats(module)
+        self._context_fn = treatment.context_fn(self._stats, label)
+        self._check_only = treatment.policy is None and not self._stats  # context_fn only checks
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t = self.treatment
+        with t.offloading():  # outside checkpoint: offloads what checkpointing still keeps
+            if not t.checkpointing:
+                return self.inner(*args, **kwargs)
+            if t.checkpoint_fn is not None:  # another checkpoint implementation (DeepSpeed's)
+                return t.checkpoint_fn(self.inner, self._stats, *args, **kwargs)
+            # kwargs travel in a partial so that a forward argument can never
+            # collide with checkpoint's own keywords (``context_fn``, ...).
+            fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
+            context_fn = self._context_fn
+            if self._check_only and checkpoint_debug_enabled():
+                # torch's debug mode refuses a context_fn and prints every op of both runs
+                # on a mismatch: it replaces our check rather than fail.
+                context_fn = None
+            options = {"context_fn": context_fn} if context_fn else {}
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
+
+
+def wrapped_modules(model: nn.Module) -> list[str]:
+    """Qualified names of the modules of ``model`` that this plugin has wrapped."""
+    model = uncompiled(model)
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m.__dict__.get("forward"), CheckpointedForward) or ATTR in m.__dict__
+    ]
+
+
+def policy_of(model: nn.Module) -> Any:
+    """The selective policy the wrapped modules of ``model`` share, or None."""
+    treatments = [m.__dict__["forward"].treatment for m in model.modules() if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    treatments += [chain.treatment for chain in chains_of(model)]
+    return next((t.policy for t in treatments if t.policy is not None), None)
+
+
+def remove_checkpointing(model: nn.Module) -> list[str]:
+    """Undo :func:`apply_checkpointing`: every wrapped module gets its forward back.
+
+    Returns the qualified names that were unwrapped. Safe on a model that was
+    never wrapped.
+    """
+    model = uncompiled(model)
+    removed = wrapped_modules(model)
+    for chain in chains_of(model):
+        chain.remove()
+    for module in model.modules():
+        wrapper = module.__dict__.get("forward")
+        if isinstance(wrapper, CheckpointedForward):
+            if wrapper.previous is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = wrapper.previous
+    return removed
+
+
+def install(model: nn.Module, plan: WrapPlan) -> list[str]:
+    """Put ``plan`` on ``model``, replacing whatever this plugin had put there; returns the names wrapped.
+
+    Everything is checked against the model before the model is touched: an
+    error leaves it exactly as it was (wrapped or not). An empty plan unwraps.
+    ``model`` may be ``torch.compile(model)``: its modules are wrapped, under their own names.
+    """
+    model = uncompiled(model)
+    modules = dict(model.named_modules())
+    missing = [n for n in plan.names if n not in modules]
+    if missing:
+        raise ValueError(f"the plan names {', '.join(map(repr, missing))}, not modules of {type(model).__name__}")
+    for group in plan.groups:
+        if isinstance(group, Segments):
+            raise_problems(check_consecutive(model, list(group.names)), "ckpt.segments")
+            schedule(len(group.names), group.segments)  # raises if segments > len(names)
+    remove_checkpointing(model)
+    for group in plan.groups:
+        if isinstance(group, Segments):
+            ChainCheckpoint(list(group.names), [modules[n] for n in group.names], group.segments, group.treatment)
+        else:
+            for name in group.names:
+                modules[name].__dict__["forward"] = CheckpointedForward(modules[name], group.treatment, name)
+    return plan.names
+
+
+@contextlib.contextmanager
+def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as if it were not wrapped, then put the very same wrappers back."""
+    wrappers = {
+        m: m.__dict__["forward"]
+        for m in model.modules()
+        if isinstance(m.__dict__.get("forward"), CheckpointedForward)
+    }
+    for m in wrappers:
+        del m.__dict__["forward"]
+    with contextlib.ExitStack() as stack:
+        for chain in chains_of(model):
+            stack.enter_context(chain.paused())
+        try:
+            yield
+        finally:
+            for m, wrapper in wrappers.items():
+                m.__dict__["forward"] = wrapper

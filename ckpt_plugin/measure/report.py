@@ -1,0 +1,63 @@
+"""The table the callback prints: what was wrapped and what that saved."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes, side_effect_free
+from ckpt_plugin.engine.wrap import checkpointing_disabled
+
+
+@dataclass
+class WrapReport:
+    """Saved-activation bytes of one forward without and with checkpointing."""
+
+    model: str
+    wrapped: list[str]
+    classes: dict[str, str]
+    without: SavedBytes
+    with_ckpt: SavedBytes
+
+    def __str__(self) -> str:
+        rows = [(n, self.classes[n]) for n in self.wrapped] + [(REST, "")]
+        w = max(len(r[0]) for r in rows + [("module", "")])
+        c = max(len(r[1]) for r in rows + [("", "class")])
+        lines = [
+            f"Activation checkpointing wrapped {len(self.wrapped)} module(s) of {self.model}; "
+            "saved activations of one forward:",
+            f"  {'module':<{w}}  {'class':<{c}}  {'without':>10}  {'with':>10}",
+        ]
+        for name, cls in rows:
+            lines.append(
+                f"  {name:<{w}}  {cls:<{c}}  {format_bytes(self.without.by_owner.get(name, 0)):>10}"
+                f"  {format_bytes(self.with_ckpt.by_owner.get(name, 0)):>10}"
+            )
+        before, after = self.without.total, self.with_ckpt.total
+        ratio = f"  ({after / before:.0%} of without)" if before else ""
+        lines.append(f"  {'total':<{w}}  {'':<{c}}  {format_bytes(before):>10}  {format_bytes(after):>10}{ratio}")
+        return "\n".join(lines)
+
+
+def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]) -> WrapReport:
+    """Measure ``forward()`` (one forward of the wrapped ``model``) without and with checkpointing.
+
+    Runs the forward twice without side effects on RNG or buffers; nothing
+    here trains.
+    """
+    modules = dict(model.named_modules())
+    with side_effect_free(model):
+        with checkpointing_disabled(model):
+            without = saved_bytes(model, forward, wrapped)
+    with side_effect_free(model):
+        with_ckpt = saved_bytes(model, forward, wrapped)
+    return WrapReport(
+        model=type(model).__name__,
+        wrapped=wrapped,
+        classes={n: type(modules[n]).__name__ for n in wrapped},
+        without=without,
+        with_ckpt=with_ckpt,
+    )

@@ -1,0 +1,85 @@
+"""``ckpt.budget``: a fraction of the activation peak without checkpointing, or a size.
+
+    ckpt.budget=0.4     ckpt.budget=40%     ckpt.budget=2GiB     ckpt.budget=300MB
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_plugin.measure.memory import format_bytes
+
+_NEEDS_BUDGET = (
+    "ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing (0.4) or a size (2GiB)"
+)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)$", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------- the budget
+
+@dataclass(frozen=True)
+class Budget:
+    """``ckpt.budget``: a fraction of the activation peak without checkpointing, or bytes."""
+
+    fraction: float | None = None
+    bytes: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g} of the activation peak" if self.fraction is not None else format_bytes(self.bytes)
+
+
+_POSITIVE = "must be positive: a fraction in (0, 1] such as 0.4, or a size such as 2GiB"
+
+
+def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"ckpt.budget={given!r} {_POSITIVE}")
+    if value > 1:
+        size = "at most 100%" if percent else f"for a size write e.g. {value:g}GiB" if value < 1024 else (
+            f"for a size write e.g. {value:.0f}B" if math.isfinite(value) else "for a size write e.g. 2GiB")
+        raise ValueError(f"ckpt.budget={given!r}: a fraction must be in (0, 1]; {size}")
+    return Budget(fraction=float(value))
+
+
+def parse_budget(budget: Any) -> Budget:
+    """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"512MiB"``, ``"300MB"``, ``"1.5GB"`` or an int of bytes.
+
+    The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte.
+    """
+    if budget is None or budget == "???" or (isinstance(budget, str) and not budget.strip()):  # ??? is MISSING
+        raise ValueError(_NEEDS_BUDGET)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ValueError(f"ckpt.budget={budget!r} ({type(budget).__name__}) must be a fraction (0.4) or a size (2GiB)")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"ckpt.budget={budget!r} {_POSITIVE}")
+        return Budget(fraction=1.0) if budget == 1 else Budget(bytes=budget)
+    if isinstance(budget, float):
+        return _fraction(budget, budget)
+    text = budget.strip().replace("_", "")
+    number = text[:-1] if text.endswith("%") else text
+    try:
+        value = float(number)
+    except ValueError:
+        pass
+    else:
+        return _fraction(value / 100 if number is not text else value, budget, percent=number is not text)
+    match = _SIZE.match(text)
+    if match is None:
+        why = "must be positive" if text.startswith("-") else "is not a budget"
+        raise ValueError(f"ckpt.budget={budget!r} {why}: write a fraction of the activation peak without "
+                         "checkpointing (0.4, 40%) or a size (2GiB, 512MiB, 300MB, or an integer number of bytes)")
+    size = int(float(match[1]) * _UNITS[match[2].lower()])
+    if size <= 0:
+        raise ValueError(f"ckpt.budget={budget!r} {_POSITIVE}")
+    return Budget(bytes=size)
+
+
+def resolve(budget: Budget, no_ckpt_peak_bytes: int) -> int:
+    """The budget in bytes, given the activation peak of a step without checkpointing."""
+    return budget.bytes if budget.bytes is not None else int(budget.fraction * no_ckpt_peak_bytes)

@@ -1,0 +1,191 @@
+"""The exact planner behind ``ckpt=auto``: one option per layer, least recompute under a budget.
+
+The peak model (see ``auto.py`` for how each number is measured), with the
+layers in the order they run::
+
+    peak = max(max_i(rest + kept[1] + ... + kept[i] + transient[i]),  # while layer i runs or recomputes
+               rest + kept[1] + ... + kept[L] + rest_transient)        # while the head and loss run
+
+While layer ``i`` runs forward, only the layers before it (and itself) hold
+anything for backward. While it recomputes in backward, the layers after it
+have already run their backward and freed what they kept. So a layer's
+transient adds to what the layers up to it keep, not to what every layer keeps:
+on a ResNet, whose first blocks have the largest activations, this is the
+difference between a useful bound and one that refuses every budget.
+
+For a given budget, feasibility of what is left depends only on the bytes kept
+so far, so a dynamic programme over the layers that keeps the Pareto frontier
+of (bytes kept so far, recompute) is exact: no discretisation, no solver.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ckpt_plugin.measure.memory import REST, format_bytes
+
+OPTIONS = ("keep", "selective", "full")  # in order of intrusiveness: ties in FLOPs go left
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one option of one layer costs: bytes kept for backward, FLOPs recomputed, bytes while it runs."""
+
+    kept_bytes: int
+    recompute_flops: int
+    transient_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    options: dict[str, Cost]  # "keep" / "selective" / "full" -> Cost
+
+
+@dataclass(frozen=True)
+class Profile:
+    """:func:`profile`'s answer: the layers in the order they run, and the model outside them."""
+
+    layers: list[LayerProfile]
+    rest_bytes: int  # kept for backward outside the candidate layers
+    rest_transient: int  # unkept activations alive outside the layers at worst
+    no_ckpt_peak: int  # act peak of the step without checkpointing, as measured
+
+    def plan(self, budget_bytes: int) -> Plan:
+        return plan(self.layers, self.rest_bytes, budget_bytes,
+                    rest_transient=self.rest_transient, reference_peak=self.no_ckpt_peak)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One option per layer, the least recompute whose predicted activation peak fits."""
+
+    choices: dict[str, str]
+    recompute_flops: int
+    predicted_peak: int
+    budget_bytes: int
+    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer, option, kept bytes, recompute FLOPs
+    rest_bytes: int = 0
+    peak_at: str = REST  # the layer whose run (or recomputation) the predicted peak falls in
+
+    def __str__(self) -> str:
+        width = max(len("total (peak)"), len(REST), *(len(r[0]) for r in self.rows))
+        lines = [f"{'layer':<{width}}  {'option':<9}  {'kept':>10}  {'recompute FLOPs':>16}"]
+        lines += [f"{n:<{width}}  {o:<9}  {format_bytes(b):>10}  {f:>16,}" for n, o, b, f in self.rows]
+        lines.append(f"{REST:<{width}}  {'':<9}  {format_bytes(self.rest_bytes):>10}")
+        peak, flops = format_bytes(self.predicted_peak), self.recompute_flops
+        lines.append(f"{'total (peak)':<{width}}  {'':<9}  {peak:>10}  {flops:>16,}")
+        lines.append(f"predicted activation peak {format_bytes(self.predicted_peak)} ({self.predicted_peak} B), "
+                     f"while {self.peak_at} runs, <= budget {format_bytes(self.budget_bytes)} "
+                     f"({self.budget_bytes} B)")
+        return "\n".join(lines)
+
+
+def _cost(option: str, cost: Cost) -> tuple[int, int]:
+    # FLOPs first; FlopCounterMode misses elementwise recompute, so ties go to the lighter option.
+    return cost.recompute_flops, OPTIONS.index(option) if option in OPTIONS else len(OPTIONS)
+
+
+def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...], rest_bytes: int,
+                   rest_transient: int = 0) -> tuple[int, str]:
+    """The peak model above for one choice of options, and where the peak falls (a layer, or REST)."""
+    kept, at = rest_bytes, REST
+    peak = rest_bytes + sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_transient
+    for layer, option in zip(profiles, chosen):
+        cost = layer.options[option]
+        kept += cost.kept_bytes
+        if kept + cost.transient_bytes > peak:
+            peak, at = kept + cost.transient_bytes, layer.name
+    return peak, at
+
+
+def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_transient: int):
+    """(cost, choices) of the least recompute whose peak fits ``budget``, or None.
+
+    Frontier entries are (bytes kept so far, cost, choices): bytes ascending, cost
+    strictly descending. Keeping fewer bytes never makes a later option infeasible,
+    so a dominated entry can never be completed more cheaply.
+    """
+    frontier: list[tuple[int, tuple[int, int], tuple[str, ...]]] = [(rest_bytes, (0, 0), ())]
+    for layer in profiles:
+        grown = sorted(
+            (kept + c.kept_bytes, (flops + f, level + n), chosen + (o,))
+            for kept, (flops, level), chosen in frontier
+            for o, c in layer.options.items()
+            for f, n in [_cost(o, c)]
+            if kept + c.kept_bytes + c.transient_bytes <= budget
+        )
+        frontier = []
+        for entry in grown:
+            if not frontier or entry[1] < frontier[-1][1]:
+                frontier.append(entry)
+    fits = [(cost, chosen) for kept, cost, chosen in frontier if kept + rest_transient <= budget]
+    return min(fits) if fits else None
+
+
+def smallest_peak(profiles: list[LayerProfile], rest_bytes: int, rest_transient: int = 0) -> int:
+    """The least predicted peak any choice reaches: a frontier of (bytes kept so far, running peak)."""
+    frontier = [(rest_bytes, 0)]
+    for layer in profiles:
+        grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.kept_bytes + c.transient_bytes))
+                        for kept, peak in frontier for c in layer.options.values()})
+        frontier = []
+        for entry in grown:
+            if not frontier or entry[1] < frontier[-1][1]:
+                frontier.append(entry)
+    return min(max(peak, kept + rest_transient) for kept, peak in frontier)
+
+
+def plan(
+    profiles: list[LayerProfile],
+    rest_bytes: int,
+    budget_bytes: int,
+    *,
+    rest_transient: int = 0,
+    reference_peak: int | None = None,
+) -> Plan:
+    """The choice of options with the least recompute FLOPs whose predicted peak fits ``budget_bytes``.
+
+    ``profiles`` are in the order the layers run. Ties in FLOPs go to the less
+    intrusive options. ``reference_peak`` (the activation peak without
+    checkpointing) only words errors.
+    """
+    if not profiles:
+        raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
+                         "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
+    assert all(p.options for p in profiles), "every layer needs at least one option"
+    if reference_peak is not None and budget_bytes >= reference_peak and all("keep" in p.options for p in profiles):
+        # The measured step without checkpointing fits, so keeping everything (no recompute) is the
+        # plan, even where the peak model, an upper bound, says otherwise (it counts twice a tensor
+        # that two layers keep).
+        best = ((0, 0), tuple("keep" for _ in profiles))
+    else:
+        best = _cheapest(profiles, rest_bytes, budget_bytes, rest_transient)
+    if best is None:
+        smallest = smallest_peak(profiles, rest_bytes, rest_transient)
+        # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
+        most = tuple("keep" if "keep" in p.options else max(p.options, key=lambda o: p.options[o].kept_bytes)
+                     for p in profiles)
+        reference = reference_peak or predicted_peak(profiles, most, rest_bytes, rest_transient)[0]
+        raise ValueError(
+            f"ckpt.budget: {budget_bytes} bytes ({format_bytes(budget_bytes)}, {budget_bytes / reference:.2f} of "
+            f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
+            f"checkpointing ckpt.layers: the smallest peak reachable is {smallest} bytes ({format_bytes(smallest)}, "
+            f"{smallest / reference:.2f}); raise ckpt.budget to at least "
+            f"{min(math.ceil(smallest / reference * 100) / 100, 1):g} or {min(smallest, reference)} bytes, "
+            "or select more layers"
+        )
+    cost, chosen = best
+    peak, at = predicted_peak(profiles, chosen, rest_bytes, rest_transient)
+    if reference_peak is not None and set(chosen) == {"keep"}:
+        peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
+    return Plan(
+        choices={p.name: o for p, o in zip(profiles, chosen)},
+        recompute_flops=cost[0],
+        predicted_peak=peak,
+        budget_bytes=budget_bytes,
+        rows=[(p.name, o, p.options[o].kept_bytes, p.options[o].recompute_flops) for p, o in zip(profiles, chosen)],
+        rest_bytes=rest_bytes,
+        peak_at=at,
+    )

@@ -1,0 +1,319 @@
+"""``ckpt=auto``: choose per layer what to checkpoint so that activations fit a budget.
+
+    python recipes/train.py ckpt=auto ckpt.layers=TransformerBlock ckpt.budget=0.4
+    python recipes/train.py ckpt=auto ckpt.layers=TransformerBlock ckpt.budget=2GiB
+
+Each candidate layer gets one of three options: ``keep`` (no checkpointing),
+``selective`` (the ``matmuls`` policy) or ``full``. :func:`profile` measures,
+on real training steps (every candidate wrapped with one option at a time),
+what each layer keeps for backward, the FLOPs its recomputation adds, and what
+it needs on top of that while it runs. :func:`plan` then picks the options with
+the least recompute FLOPs whose predicted activation peak fits, exactly: a
+dynamic programme, no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and
+no ``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).
+
+The peak model (``planner.py``), in activation bytes as MemTracker counts them
+(storages made by ops in forward, or by recomputation in backward), with the
+layers in the order they first run::
+
+    peak = max(max_i(rest + kept[1] + ... + kept[i] + transient[i]), rest + sum(kept) + rest_transient)
+
+At any moment of a step the live activations split in two. Those kept for
+backward: the rest's, and those of the layers that have run forward and not
+yet run backward, so while layer ``i`` runs or recomputes at most
+``rest + kept[1..i]``. The others are temporaries of whatever runs at that
+moment: that layer's transient (the largest amount measured, forward or
+recomputation, when a checkpointed layer holds its full activations for a
+moment), or outside the layers (embedding, head, loss) the rest's transient.
+In backward, outside recomputation, autograd makes no activations and only
+frees them, so no new maximum arises there. Two rules keep each layer's
+numbers independent of its neighbours' options: a layer's inputs count as kept
+by it under every option (checkpointing holds them; without it a layer usually
+saves them), and what a layer makes but a later layer keeps (its output) counts
+in its transient. The model assumes backward visits the layers in reverse
+order (a chain of blocks, as in every example and the models it is meant for);
+tests check it bounds MemTracker's act peak on the GPT and the ResNet.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ckpt_plugin._compat import TorchDispatchMode, tree_leaves
+from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
+from ckpt_plugin.measure.memory import REST, side_effect_free
+from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, Plan, Profile, plan
+from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.treatment import Treatment
+from ckpt_plugin.engine.plan import EachLayer, WrapPlan
+from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
+
+# ---------------------------------------------------------------------- profiling
+
+def treatment(option: str, preserve_rng_state: bool = True) -> Treatment | None:
+    """How a layer runs under ``option``: None for ``keep`` (leave it unwrapped)."""
+    if option == "keep":
+        return None
+    policy = make_policy("matmuls") if option == "selective" else None
+    return Treatment(checkpointing=True, preserve_rng_state=preserve_rng_state, policy=policy)
+
+
+class _Recorder(TorchDispatchMode):
+    """A timeline of one step: every storage the forward (or a recomputation) makes,
+    when it is kept for backward and by whom, when it is freed, and a sample after
+    every op, labelled with the layer running (or REST). Counts storages the way
+    MemTracker's ``act`` does: made by ops outside backward, or by recomputation."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.events: list[tuple] = []
+        self.sizes: dict[int, int] = {}  # uid -> bytes
+        self.seen: dict[int, tuple[int | None, Any]] = {}  # id(storage) -> (uid or None, weakref)
+        self.external = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+        self.external |= {id(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+        self.stack: list[str] = []
+        self.counting = True
+        self.flops: dict[str, int] = defaultdict(int)
+        self.counter: FlopCounterMode | None = None
+        self.order: list[str] = []  # the layers in the order they first ran forward
+
+    def _uid(self, t: torch.Tensor, *, create: bool) -> int | None:
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # tensors without storage (sparse, subclasses)
+            return None
+        key = id(st)
+        if key in self.external:
+            return None
+        if key in self.seen:
+            return self.seen[key][0]
+        if not create:
+            return None
+        uid = len(self.sizes) if self.counting else None  # storages made in backward are not activations
+        events = self.events
+
+        def freed(_ref: Any, key: int = key, uid: int | None = uid) -> None:
+            self.seen.pop(key, None)
+            if uid is not None:
+                events.append(("free", uid))
+
+        self.seen[key] = (uid, weakref.ref(st, freed))
+        if uid is not None:
+            # As MemTracker: CUDA's caching allocator hands out multiples of 512 bytes.
+            self.sizes[uid] = -(-st.nbytes() // 512) * 512 if st.device.type == "cuda" else st.nbytes()
+            events.append(("alloc", uid))
+        return uid
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._uid(t, create=True)
+        if self.counting:
+            self.events.append(("sample", self.stack[-1] if self.stack else REST))
+        return out
+
+    def keep(self, t: Any, owner: str | None = None) -> Any:
+        """saved_tensors_hooks' pack: ``t`` is kept for backward by the layer running."""
+        if isinstance(t, torch.Tensor):
+            uid = self._uid(t, create=False)
+            if uid is not None:
+                self.events.append(("pack", uid, owner or (self.stack[-1] if self.stack else REST)))
+        return t
+
+    def window(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """``inner`` (the layer's forward) labelled ``name`` in forward and in its recomputation."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            recompute = not self.counting  # only backward stops counting; only recomputation runs forwards there
+            if not recompute:
+                if name not in self.order:
+                    self.order.append(name)
+                # Checkpoint holds the inputs for recomputation; count them kept under every
+                # option (without checkpointing a layer usually saves its input anyway), so that
+                # what one layer keeps never depends on another's option.
+                for t in tree_leaves((args, kwargs)):
+                    self.keep(t, name)
+            counter = self.counter if recompute else None
+            before = counter.get_total_flops() if counter else 0
+            self.stack.append(name)
+            self.counting = True
+            try:
+                return inner(*args, **kwargs)
+            finally:  # also when checkpoint stops a recomputation early (an exception)
+                self.stack.pop()
+                self.counting = not recompute
+                if counter:
+                    self.flops[name] += counter.get_total_flops() - before
+
+        return run
+
+    def analyse(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """(kept bytes by owner, transient bytes by window, peak live bytes).
+
+        At each sample, the transient is what is alive and not kept: neither kept
+        for backward by then, nor to be kept later by the window's own layer or by
+        the rest of the model (whose keeps do not depend on any layer's option).
+        What a *later layer* will keep (the running layer's output) stays in the
+        transient, so the sum never leans on a neighbour's option.
+        """
+        owners: dict[int, set[str]] = defaultdict(set)
+        for ev in self.events:
+            if ev[0] == "pack":
+                owners[ev[1]].add(ev[2])
+        kept_by: dict[str, int] = defaultdict(int)
+        for uid, names in owners.items():
+            # Kept by the rest too (the stem's output, also the first layer's input): alive as long
+            # as the rest keeps it, whatever the layer's option, so counted once, in the rest.
+            for name in ({REST} if REST in names else names):
+                kept_by[name] += self.sizes[uid]
+        frozen = {uid: frozenset(names) for uid, names in owners.items()}
+        live = kept = peak = 0
+        pending: dict[frozenset, int] = defaultdict(int)  # alive, not kept yet, kept later by these owners
+        packed: set[int] = set()
+        transient: dict[str, int] = defaultdict(int)
+        for kind, *rest in self.events:
+            if kind == "sample":
+                window = rest[0]
+                later = sum(v for who, v in pending.items() if window in who or REST in who)
+                transient[window] = max(transient[window], live - kept - later)
+                peak = max(peak, live)
+                continue
+            uid = rest[0]
+            size = self.sizes[uid]
+            if kind == "alloc":
+                live += size
+                if uid in frozen:
+                    pending[frozen[uid]] += size
+            elif kind == "pack" and uid not in packed:
+                packed.add(uid)
+                kept += size
+                pending[frozen[uid]] -= size
+            elif kind == "free":
+                live -= size
+                if uid in packed:
+                    kept -= size
+        return dict(kept_by), dict(transient), peak
+
+
+def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str, *, flops: bool) -> _Recorder:
+    """One training step with every candidate under ``option``, recorded; the model is left as it was.
+
+    Memory (``flops=False``) and FLOPs (``flops=True``) come from separate steps:
+    FlopCounterMode's module tracker holds recomputed tensors until backward ends
+    (multi-grad hooks on module outputs), which would distort the memory timeline.
+    """
+    modules = dict(model.named_modules())
+    how = treatment(option) or Treatment(checkpointing=False)
+    recorder = _Recorder(model)
+    mode = FlopCounterMode(display=False) if flops else recorder
+    recorder.counter = mode if flops else None
+    previous = {name: modules[name].__dict__.get("forward") for name in names}
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        for name in names:
+            module = modules[name]
+            # Labelled inside checkpoint (its recomputation runs the inner forward only) and
+            # outside it (checkpoint saves the layer's inputs before calling the inner forward).
+            module.__dict__["forward"] = recorder.window(name, module.forward)
+            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how, name))
+        with side_effect_free(model), mode, torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(recorder.keep, lambda t: t):
+                outputs = [t for t in tree_leaves(forward()) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not outputs:
+                    raise ValueError("ckpt=auto: the profiling forward returned no tensor that requires grad; "
+                                     "it must return the loss")
+                # Made before backward, as loss.backward() makes its own: MemTracker counts it as act.
+                seeds = [torch.ones_like(t) for t in outputs]
+            recorder.counting = False
+            torch.autograd.backward(outputs, seeds)
+            del outputs, seeds
+    finally:
+        for p, g in grads.items():  # the step's gradients are dropped
+            p.grad = g
+        for name in names:
+            if previous[name] is None:
+                modules[name].__dict__.pop("forward", None)
+            else:
+                modules[name].__dict__["forward"] = previous[name]
+    return recorder
+
+
+def _check_names(model: nn.Module, names: list[str]) -> None:
+    if not names:
+        raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
+                         "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(f"ckpt=auto: no module named {', '.join(map(repr, missing))} in the model")
+    nested = [(a, b) for a in names for b in names if a != b and (a == "" or b.startswith(a + "."))]
+    if nested:
+        raise ValueError(f"ckpt=auto: ckpt.layers selected {nested[0][1]!r} inside {nested[0][0] or 'the model'!r}; "
+                         "the candidate layers must not contain one another")
+
+
+def profile(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> Profile:
+    """Measure every option of every candidate layer (qualified names) on real steps.
+
+    ``forward()`` runs the model on a sample batch and returns the loss. Five
+    steps in all, each with every candidate wrapped one way: three record memory
+    (keep, selective, full), two count recompute FLOPs (selective, full). They
+    leave no trace: RNG streams, buffers, gradients and wrapping are restored.
+    """
+    names = list(dict.fromkeys(names))
+    _check_names(model, names)
+    with checkpointing_disabled(model):
+        recorders = {option: _step(model, names, forward, option, flops=False) for option in OPTIONS}
+        memory = {option: recorder.analyse() for option, recorder in recorders.items()}
+        flops = {option: _step(model, names, forward, option, flops=True).flops if option != "keep" else {}
+                 for option in OPTIONS}
+    layers = [
+        LayerProfile(name, {
+            option: Cost(kept.get(name, 0), flops[option].get(name, 0), transient.get(name, 0))
+            for option, (kept, transient, _peak) in memory.items()
+        })
+        for name in names
+    ]
+    # The planner's peak model follows the order the layers run in; layers that never ran go last.
+    ran = recorders["keep"].order
+    layers.sort(key=lambda layer: ran.index(layer.name) if layer.name in ran else len(ran))
+    return Profile(
+        layers=layers,
+        rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),
+        rest_transient=max(transient.get(REST, 0) for _, transient, _ in memory.values()),
+        no_ckpt_peak=memory["keep"][2],
+    )
+
+
+def wrap_plan(chosen: Plan, preserve_rng_state: bool = True) -> WrapPlan:
+    """``chosen`` as a plan the engine installs: each layer with its option (``keep`` stays unwrapped).
+
+    The planner decides and never installs; the names keep ``chosen``'s order.
+    """
+    how = {option: treatment(option, preserve_rng_state) for option in OPTIONS}
+    groups = tuple(EachLayer((name,), how[option]) for name, option in chosen.choices.items() if how[option] is not None)
+    return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}")
+
+
+__all__ = [
+    "Budget",
+    "Cost",
+    "LayerProfile",
+    "OPTIONS",
+    "Plan",
+    "Profile",
+    "wrap_plan",
+    "parse_budget",
+    "plan",
+    "profile",
+    "resolve",
+    "treatment",
+]

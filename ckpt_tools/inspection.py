@@ -1,0 +1,146 @@
+"""``ckpt-inspect``: what a ckpt config does to a model, measured on one step, before training.
+
+    ckpt-inspect                                        # the embedded GPT, ckpt=full on TransformerBlock
+    ckpt-inspect ckpt=selective
+    ckpt-inspect model=resnet ckpt.layers=Bottleneck ckpt.segments=2
+
+A Hydra app over ``ckpt_tools/configs/inspect.yaml``: the example ``model``/``data`` groups
+(``ckpt_examples``) and the plugin's ``ckpt`` group, as ``recipes/train.py`` composes them. It builds the model
+and one batch of its data, runs one training step (``training_step`` and
+backward) without and with the config, and prints one row per selected module:
+the activation bytes it keeps after the forward without and with the config
+and the recompute FLOPs it adds, the totals, and the step's peak memory
+(``MemTracker`` on CPU, CUDA's allocator statistics on a GPU). Nothing trains.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ckpt_plugin.config.plan import apply_config
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.engine.wrap import remove_checkpointing
+from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes, side_effect_free, step_memory
+
+
+@dataclass
+class Inspection:
+    """One step of a model measured without and with a ckpt config."""
+
+    model: str
+    names: list[str]
+    without: SavedBytes
+    with_ckpt: SavedBytes
+    recompute_flops: dict[str, int]  # per selected module, and REST
+    flops: tuple[int, int]  # whole step, without and with
+    peaks: tuple[dict[str, int], dict[str, int]]  # by category, without and with
+
+    def __str__(self) -> str:
+        rows = [*self.names, REST]
+        w = max(len(r) for r in [*rows, "module"])
+        lines = [
+            f"{self.model}: one training step without and with the ckpt config",
+            f"  {'module':<{w}}  {'kept without':>12}  {'kept with':>12}  {'recompute FLOPs':>16}",
+        ]
+        for r in rows:
+            lines.append(
+                f"  {r:<{w}}  {format_bytes(self.without.by_owner.get(r, 0)):>12}"
+                f"  {format_bytes(self.with_ckpt.by_owner.get(r, 0)):>12}  {self.recompute_flops.get(r, 0):>16,}"
+            )
+        f0, f1 = self.flops
+        lines.append(
+            f"  {'total':<{w}}  {format_bytes(self.without.total):>12}  {format_bytes(self.with_ckpt.total):>12}"
+            f"  {f1 - f0:>16,}"
+        )
+        (p0, p1) = self.peaks
+        lines.append(f"  FLOPs of the step: {f0:,} without, {f1:,} with (ratio {f1 / f0:.3f})" if f0 else "")
+        for key, label in (("act", "activation peak"), ("total", "total peak")):
+            if key in p0:
+                lines.append(
+                    f"  {label}: {format_bytes(p0[key])} without, {format_bytes(p1[key])} with "
+                    f"({p1[key] / p0[key]:.2f} of without)"
+                )
+        return "\n".join(line for line in lines if line)
+
+
+def _flops_by_module(step: Callable[[], Any], root: str, names: list[str]) -> tuple[int, dict[str, int]]:
+    with FlopCounterMode(display=False) as counter:
+        step()
+    per = counter.get_flop_counts()
+    by_name = {n: sum(per.get(f"{root}.{n}", {}).values()) for n in names}
+    return counter.get_total_flops(), by_name
+
+
+def _peaks(step: Callable[[], Any], model: nn.Module, device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return {"total": torch.cuda.max_memory_allocated(device), "act": torch.cuda.max_memory_allocated(device) - base}
+    return step_memory(step, model)
+
+
+def inspect_step(model: nn.Module, step_loss: Callable[[], torch.Tensor], **ckpt_keys: Any) -> Inspection:
+    """Measure one step (``step_loss()`` returns the loss of one training step) without and with ``ckpt_keys``."""
+    config = make_config(**ckpt_keys)
+    remove_checkpointing(model)
+    device = next(model.parameters()).device
+
+    def step() -> None:
+        step_loss().backward()
+        model.zero_grad(set_to_none=True)
+
+    def measure(names: list[str]) -> tuple[SavedBytes, int, dict[str, int], dict[str, int]]:
+        with side_effect_free(model):
+            kept = saved_bytes(model, step_loss, names)
+        with side_effect_free(model):
+            total, by_name = _flops_by_module(step, type(model).__name__, names)
+        with side_effect_free(model):
+            peaks = _peaks(step, model, device)
+        return kept, total, by_name, peaks
+
+    names = apply_config(model, config)  # checks the config against the model first
+    remove_checkpointing(model)
+    without, f0, by0, p0 = measure(names)
+    apply_config(model, config)
+    try:
+        with_ckpt, f1, by1, p1 = measure(names)
+    finally:
+        remove_checkpointing(model)
+    recompute = {n: by1[n] - by0[n] for n in names}
+    recompute[REST] = (f1 - f0) - sum(recompute.values())
+    return Inspection(type(model).__name__, names, without, with_ckpt, recompute, (f0, f1), (p0, p1))
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ckpt_tools.configs", config_name="inspect")
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(cfg.seed)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    model.configure_model()
+    device = torch.device(cfg.device)
+    model.to(device).train()
+    batch = move_data_to_device(next(iter(datamodule.train_dataloader())), device)
+    keys = {k: v for k, v in cfg.ckpt.items() if k != "_target_"}
+    with warnings.catch_warnings():
+        # training_step's self.log() has no Trainer to log to here; that is expected.
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        result = inspect_step(model, lambda: model.training_step(batch, 0), **keys)
+    print(result)
+
+
+if __name__ == "__main__":
+    main()
