@@ -9,14 +9,22 @@ declares (``pyproject.toml``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from types import FrameType
 from typing import Any
 
 import torch
+import torch.nn.modules.module
+import torch.optim.optimizer
 import torch.utils.checkpoint
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
 from torch.multiprocessing.reductions import StorageWeakRef  # what torch.utils.checkpoint keys storages by
+from torch.nn.modules.module import (  # public (documented under this path), kept here with the other internals
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in a private module
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves  # pytree: private module, stable API
 
@@ -68,24 +76,67 @@ class CategoryPeakTracker(MemTracker):
                     self.category_peaks[name] = value
 
 
+# The parameters of ``_checkpoint_without_reentrant_generator`` before its ``*args`` (torch 2.13:
+# ``fn, preserve_rng_state=True, context_fn=noop_context_fn, determinism_check="default",
+# debug=False, early_stop=True, *args, **kwargs``).
+_REGION_PARAMETERS = ("fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+
+@functools.cache
+def _region_generator() -> Any:
+    """torch's private region generator, once its signature is checked to be the one we call.
+
+    :func:`open_region` must pass the named parameters positionally (see there); a torch
+    that renamed, reordered, added or dropped one would otherwise take our values for the
+    wrong parameters without a word, so it fails here instead.
+    """
+    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator  # private
+
+    params = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters.values())
+    named = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    kinds = [p.kind for p in params]
+    expected_kinds = [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(_REGION_PARAMETERS) + [
+        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+    if named != _REGION_PARAMETERS or kinds != expected_kinds:
+        raise RuntimeError(
+            "torch.utils.checkpoint._checkpoint_without_reentrant_generator changed its signature to "
+            f"{inspect.signature(_checkpoint_without_reentrant_generator)}; ckpt_plugin._compat.open_region "
+            f"expects ({', '.join(_REGION_PARAMETERS)}, *args, **kwargs) and needs updating for this torch"
+        )
+    return _checkpoint_without_reentrant_generator
+
+
 def open_region(fn: Any, preserve_rng_state: bool, context_fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Start a non-reentrant checkpoint region that later code (not one call) runs inside.
 
     torch's composable ``checkpoint`` opens its region in a forward pre-hook and
     closes it in a forward hook with this private generator; we do the same
-    for regions spanning several layers. ``fn(*args, **kwargs)`` is what
-    recomputation runs. Close with :func:`close_region` (or ``gen.close()`` on error).
+    for regions spanning several layers (``engine/chain.py``). ``fn(*args, **kwargs)``
+    is what recomputation runs. Close with :func:`close_region` (or ``gen.close()`` on error).
     """
-    from torch.utils.checkpoint import _checkpoint_without_reentrant_generator  # private
-
-    gen = _checkpoint_without_reentrant_generator(
-        fn, preserve_rng_state, context_fn, "default", False, True, *args, **kwargs
+    generator = _region_generator()
+    # Positional, not by keyword: the generator's inputs follow as ``*args``, and Python fills
+    # named parameters from positional arguments first, so naming them (``fn=fn, ...``) next to
+    # any positional input raises "got multiple values". (``args`` cannot go into a closure either:
+    # torch saves them as the region's inputs and infers the device and RNG states from them.)
+    # ``_region_generator`` checks the names and order instead, so a torch that changes them fails
+    # loudly. Same values as torch's composable checkpoint passes.
+    gen = generator(
+        fn,  # fn
+        preserve_rng_state,  # preserve_rng_state
+        context_fn,  # context_fn
+        "default",  # determinism_check
+        False,  # debug
+        True,  # early_stop
+        *args,
+        **kwargs,
     )
     next(gen)
     return gen
 
 
 def close_region(gen: Any) -> None:
+    """End a region :func:`open_region` started (its generator must finish on this step)."""
     try:
         next(gen)
     except StopIteration:
@@ -137,8 +188,18 @@ def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
 
 
 def version(t: torch.Tensor) -> int:
-    """The in-place write counter autograd checks saved tensors against."""
+    """The in-place write counter autograd checks saved tensors against (``Tensor._version``,
+    private, no public getter; policies.py and offload.py key cached tensors by it)."""
     return t._version
+
+
+def base_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of, or None (``Tensor._base``: semi-public, undocumented).
+
+    measure/memory.py and engine/offload.py use it to treat a view of a parameter
+    (``weight.t()`` saved by a matmul) as the parameter.
+    """
+    return t._base
 
 
 def is_mutable(op: Any) -> bool:
@@ -176,3 +237,64 @@ def checkpointed_fn(frame: FrameType | None) -> Any:
             return frame.f_locals.get("fn")
         frame = frame.f_back
     return None
+
+
+# -- for the soak tool's leak counters (ckpt_tools/soak.py) --
+
+def _hook_dicts_size(namespace: dict[str, Any], prefix: str) -> int:
+    # Every hook dict (``_forward_hooks``, ...), not the flag dicts ``_forward_hooks_with_kwargs``
+    # and ``_forward_hooks_always_called``, which are keyed by the same hooks.
+    return sum(len(v) for k, v in namespace.items() if k.startswith(prefix) and k.endswith("hooks")
+               and isinstance(v, dict))
+
+
+_TENSOR_HOOK_ATTRIBUTES = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def hook_count(obj: Any) -> int:
+    """Hooks registered on one module, optimizer or tensor.
+
+    torch has no public way to list them: they live in private attributes
+    (``module._forward_hooks``, ``optimizer._optimizer_step_pre_hooks``, ...;
+    for a tensor ``_backward_hooks`` and ``_post_accumulate_grad_hooks``, C-level
+    attributes not in ``__dict__``). ckpt-soak counts them to catch leaked hooks.
+    """
+    if isinstance(obj, torch.Tensor):
+        return sum(len(getattr(obj, a, None) or ()) for a in _TENSOR_HOOK_ATTRIBUTES)
+    return _hook_dicts_size(vars(obj), prefix="_")
+
+
+def global_hook_count() -> int:
+    """Hooks in torch's process-wide module and optimizer registries.
+
+    ``register_module_forward_hook`` and friends and ``register_optimizer_step_pre_hook``
+    file them in the private module globals ``torch.nn.modules.module._global_*hooks``
+    and ``torch.optim.optimizer._global_*hooks``; ckpt-soak counts them to catch leaks
+    (``saved_activations`` registers global module hooks for one forward).
+    """
+    return sum(_hook_dicts_size(vars(table), prefix="_global_")
+               for table in (torch.nn.modules.module, torch.optim.optimizer))
+
+
+def saved_tensors_hooks_depth() -> int:
+    """How many ``saved_tensors_hooks`` are in force (ckpt-soak: none may be left after a step).
+
+    torch has only a private getter for the top of the stack
+    (``torch._C._autograd._top_saved_tensors_default_hooks``): pop them all, count, push them back.
+    """
+    autograd = torch._C._autograd
+    popped = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        popped.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(popped):
+        autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return len(popped)
+
+
+def mode_stack_depth() -> int:
+    """Dispatch modes plus function modes in force (ckpt-soak: none may be left after a step).
+
+    Private counters (``torch._C._len_torch_dispatch_stack``, ``_len_torch_function_stack``), no public ones.
+    """
+    return torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
 import json
 import logging
 import shlex
@@ -74,7 +73,7 @@ from tqdm import tqdm
 
 from ckpt_examples.data import TextData
 from ckpt_examples.gpt import GPT
-from ckpt_plugin._compat import TorchDispatchMode
+from ckpt_plugin._compat import TorchDispatchMode, global_hook_count, hook_count, mode_stack_depth, saved_tensors_hooks_depth
 from ckpt_plugin.config.plan import apply_checkpointing
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, Offloading
 from ckpt_plugin.errors import closest_first
@@ -137,42 +136,25 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-def _hook_count(namespace: dict[str, Any], prefix: str = "_") -> int:
-    """Hooks in every hook dict of ``namespace`` (``_forward_hooks``, ...; not the flag dicts
-    ``_forward_hooks_with_kwargs`` and ``_forward_hooks_always_called``, keyed by the same hooks)."""
-    return sum(len(v) for k, v in namespace.items() if k.startswith(prefix) and k.endswith("hooks")
-               and isinstance(v, dict))
-
-
 def count_hooks(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> int:
     """Hooks on ``model``'s modules and parameters, on ``optimizer``, and torch's global module and optimiser hooks."""
     n = 0
     if model is not None:
-        n += sum(_hook_count(vars(m)) for m in model.modules())
-        for p in model.parameters():  # tensor hooks live in C-level attributes, not in __dict__
-            n += sum(len(getattr(p, a, None) or ()) for a in ("_backward_hooks", "_post_accumulate_grad_hooks"))
+        n += sum(hook_count(m) for m in model.modules())
+        n += sum(hook_count(p) for p in model.parameters())
     if optimizer is not None:
-        n += _hook_count(vars(optimizer))
-    for table in ("torch.nn.modules.module", "torch.optim.optimizer"):
-        n += _hook_count(vars(importlib.import_module(table)), prefix="_global_")
-    return n
+        n += hook_count(optimizer)
+    return n + global_hook_count()
 
 
 def saved_hooks_depth() -> int:
-    """Depth of the ``saved_tensors_hooks`` stack (torch has only a getter for its top: pop, count, push back)."""
-    autograd = torch._C._autograd  # private: no public accessor
-    popped = []
-    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
-        popped.append(top)
-        autograd._pop_saved_tensors_default_hooks()
-    for pack, unpack in reversed(popped):
-        autograd._push_saved_tensors_default_hooks(pack, unpack)
-    return len(popped)
+    """Depth of the ``saved_tensors_hooks`` stack."""
+    return saved_tensors_hooks_depth()
 
 
 def mode_depth() -> int:
-    """Dispatch plus function modes on their stacks (private counters, no public ones)."""
-    return torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()
+    """Dispatch plus function modes on their stacks."""
+    return mode_stack_depth()
 
 
 def rss_bytes() -> int | None:

@@ -408,7 +408,7 @@ def test_cli_unknown_layer(cli):
     proc = cli["unknown-layer"]
     assert proc.returncode != 0
     assert (
-        "ValueError: ckpt.layers: no module of class 'TransformerBlok' in GPT; "
+        "ConfigError: ckpt.layers: no module of class 'TransformerBlok' in GPT; "
         "class names in this model, closest first: TransformerBlock, "
     ) in proc.stderr
     assert "Trainer.fit` stopped" not in proc.stdout + proc.stderr  # it never trained

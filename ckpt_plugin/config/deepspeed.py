@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ckpt_plugin.errors import ConfigError, Problem
 
 
 @dataclass(kw_only=True)
@@ -36,38 +37,47 @@ class DeepSpeedCheckpointing:
     synchronize_checkpoint_boundary: bool = False  # synchronize the device at each checkpoint's start and end
     profile: bool = False  # log the forward and backward time of each checkpoint
 
-    def problems(self) -> list[str]:
-        problems = [f"ckpt.deepspeed.{f.name}={getattr(self, f.name)!r} ({type(getattr(self, f.name)).__name__}) "
-                    "must be true or false"
+    def problems(self) -> list[Problem]:
+        problems = [Problem(f"ckpt.deepspeed.{f.name}",
+                            f"ckpt.deepspeed.{f.name}={getattr(self, f.name)!r} ({type(getattr(self, f.name)).__name__}) "
+                            "must be true or false")
                     for f in fields(self) if f.name != "number_checkpoints" and not isinstance(getattr(self, f.name), bool)]
         n = self.number_checkpoints
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            problems.append(f"ckpt.deepspeed.number_checkpoints={n!r} must be null or an integer >= 1 "
-                            "(the number of checkpointed layers in one forward)")
+            problems.append(Problem("ckpt.deepspeed.number_checkpoints",
+                                    f"ckpt.deepspeed.number_checkpoints={n!r} must be null or an integer >= 1 "
+                                    "(the number of checkpointed layers in one forward)"))
         # DeepSpeed asserts these inside configure(), in every process after launch; say so before.
         if self.contiguous_memory_optimization is True:
             if n is None:
-                problems.append("ckpt.deepspeed.contiguous_memory_optimization=true needs "
-                                "ckpt.deepspeed.number_checkpoints (the number of checkpointed layers, "
-                                "e.g. the model's n_layer): DeepSpeed sizes the contiguous buffer from it")
+                problems.append(Problem("ckpt.deepspeed.number_checkpoints",
+                                        "ckpt.deepspeed.contiguous_memory_optimization=true needs "
+                                        "ckpt.deepspeed.number_checkpoints (the number of checkpointed layers, "
+                                        "e.g. the model's n_layer): DeepSpeed sizes the contiguous buffer from it"))
             if self.partition_activations is not True:
-                problems.append("ckpt.deepspeed.contiguous_memory_optimization=true needs "
-                                "ckpt.deepspeed.partition_activations=true (DeepSpeed keeps only "
-                                "partitioned activations in the contiguous buffer)")
+                problems.append(Problem("ckpt.deepspeed.partition_activations",
+                                        "ckpt.deepspeed.contiguous_memory_optimization=true needs "
+                                        "ckpt.deepspeed.partition_activations=true (DeepSpeed keeps only "
+                                        "partitioned activations in the contiguous buffer)"))
         return problems
 
 
 def settings_of(value: Any) -> DeepSpeedCheckpointing | None:
-    """``ckpt.deepspeed`` as given (None, a mapping or the dataclass) to the dataclass; unknown keys raise."""
+    """``ckpt.deepspeed`` as given (None, a mapping or the dataclass) to the dataclass.
+
+    Raises :class:`ConfigError` for anything else, or for unknown keys.
+    """
     if value is None or isinstance(value, DeepSpeedCheckpointing):
         return value
-    if not isinstance(value, dict):
-        raise ValueError(f"ckpt.deepspeed={value!r} must be null or a mapping of DeepSpeed's checkpointing options "
-                         f"({', '.join(f.name for f in fields(DeepSpeedCheckpointing))}); e.g. ckpt=deepspeed")
     valid = [f.name for f in fields(DeepSpeedCheckpointing)]
+    if not isinstance(value, dict):
+        raise ConfigError([Problem("ckpt.deepspeed",
+                                   f"ckpt.deepspeed={value!r} must be null or a mapping of DeepSpeed's checkpointing "
+                                   f"options ({', '.join(valid)})", "e.g. ckpt=deepspeed")])
     unknown = [k for k in value if k not in valid]
     if unknown:
-        raise ValueError(f"unknown key ckpt.deepspeed.{unknown[0]}; valid keys: {', '.join(valid)}")
+        raise ConfigError([Problem(f"ckpt.deepspeed.{unknown[0]}", f"unknown key ckpt.deepspeed.{unknown[0]}",
+                                   f"valid keys: {', '.join(valid)}")])
     return DeepSpeedCheckpointing(**value)
 
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ckpt_plugin.config.deepspeed import settings_of
-from ckpt_plugin.errors import ConfigError, closest_first, raise_problems
+from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
 
 MISSING = "???"  # OmegaConf's MISSING value, without importing OmegaConf (the schema loads no framework)
 
@@ -45,55 +45,61 @@ class LayerSelection:
     # Wrap every n-th matched layer (the n-th, 2n-th, ...): 1 wraps all of them.
     every_n: int = 1
 
-    def _problems(self) -> list[str]:
-        problems = []
+    def _problems(self) -> list[Problem]:
+        problems: list[Problem] = []
         layers = self.layers
         if layers is None or layers == MISSING:
-            problems.append(
+            problems.append(Problem(
+                "ckpt.layers",
                 "ckpt.layers is required: name the modules to checkpoint, e.g. "
                 "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'] "
-                "(or choose ckpt=none to switch checkpointing off)"
-            )
+                "(or choose ckpt=none to switch checkpointing off)",
+            ))
         else:
             if isinstance(layers, str):
                 layers = [layers]
             if not isinstance(layers, Iterable) or isinstance(layers, (bytes, dict)):
-                problems.append(
+                problems.append(Problem(
+                    "ckpt.layers",
                     f"ckpt.layers={layers!r} ({type(layers).__name__}) must be a string or a list "
-                    "of strings: class names, dotted class paths, module-name globs or 're:' regexes"
-                )
+                    "of strings: class names, dotted class paths, module-name globs or 're:' regexes",
+                ))
             else:
                 layers = list(layers)
                 bad = [x for x in layers if not isinstance(x, str) or not x.strip()]
                 if bad:
-                    problems.append(
+                    problems.append(Problem(
+                        "ckpt.layers",
                         f"ckpt.layers: every entry must be a non-empty string, got {_quote_all(bad)}"
                         if all(isinstance(b, str) for b in bad)
-                        else f"ckpt.layers: every entry must be a string, got {bad!r}"
-                    )
+                        else f"ckpt.layers: every entry must be a string, got {bad!r}",
+                    ))
                 elif not layers:
-                    problems.append(
+                    problems.append(Problem(
+                        "ckpt.layers",
                         "ckpt.layers=[] names no layers: give at least one class name or pattern, "
-                        "or choose ckpt=none to switch checkpointing off"
-                    )
+                        "or choose ckpt=none to switch checkpointing off",
+                    ))
                 else:
                     self.layers = tuple(x.strip() for x in layers)
         if isinstance(self.every_n, bool) or not isinstance(self.every_n, int):
-            problems.append(
-                f"ckpt.every_n={self.every_n!r} ({type(self.every_n).__name__}) must be an integer >= 1"
-            )
+            problems.append(Problem(
+                "ckpt.every_n",
+                f"ckpt.every_n={self.every_n!r} ({type(self.every_n).__name__}) must be an integer >= 1",
+            ))
         elif self.every_n < 1:
-            problems.append(
+            problems.append(Problem(
+                "ckpt.every_n",
                 f"ckpt.every_n={self.every_n} must be >= 1: 1 wraps every matched layer, "
-                "2 every second one, ..."
-            )
+                "2 every second one, ...",
+            ))
         return problems
 
 
-def _check_bool(key: str, value: Any) -> list[str]:
+def _check_bool(key: str, value: Any) -> list[Problem]:
     if isinstance(value, bool):
         return []
-    return [f"ckpt.{key}={value!r} ({type(value).__name__}) must be true or false"]
+    return [Problem(f"ckpt.{key}", f"ckpt.{key}={value!r} ({type(value).__name__}) must be true or false")]
 
 
 @dataclass(kw_only=True)
@@ -119,24 +125,24 @@ class FullConfig(LayerSelection):
         problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
         raise_problems(problems + self._deepspeed_problems())
 
-    def _deepspeed_problems(self) -> list[str]:
+    def _deepspeed_problems(self) -> list[Problem]:
         try:
             self.deepspeed = settings_of(self.deepspeed)
-        except ValueError as err:
-            return [str(err)]
+        except ConfigError as err:
+            return err.problems
         if self.deepspeed is None:
             return []
         problems = self.deepspeed.problems()
         with_ds = "with ckpt.deepspeed (DeepSpeed's own checkpoint)"
         if self.segments is not None:
-            problems.append(f"ckpt.segments={self.segments} cannot be combined {with_ds}: it checkpoints "
-                            "layer by layer; drop ckpt.segments")
+            problems.append(Problem("ckpt.segments", f"ckpt.segments={self.segments} cannot be combined {with_ds}: "
+                                    "it checkpoints layer by layer", "drop ckpt.segments"))
         if self.offload is True:
-            problems.append(f"ckpt.offload=true cannot be combined {with_ds}: use "
-                            "ckpt.deepspeed.cpu_checkpointing=true (with partition_activations=true)")
+            problems.append(Problem("ckpt.offload", f"ckpt.offload=true cannot be combined {with_ds}: use "
+                                    "ckpt.deepspeed.cpu_checkpointing=true (with partition_activations=true)"))
         if self.preserve_rng_state is False:
-            problems.append(f"ckpt.preserve_rng_state=false cannot be combined {with_ds}: DeepSpeed's "
-                            "checkpoint always replays the RNG state")
+            problems.append(Problem("ckpt.preserve_rng_state", f"ckpt.preserve_rng_state=false cannot be combined "
+                                    f"{with_ds}: DeepSpeed's checkpoint always replays the RNG state"))
         return problems
 
 
@@ -163,8 +169,8 @@ class SelectiveConfig(LayerSelection):
         problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
         try:
             make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
-        except ValueError as err:
-            problems.append(str(err))
+        except ConfigError as err:
+            problems += err.problems
         raise_problems(problems)
 
 
@@ -193,8 +199,8 @@ class AutoConfig(LayerSelection):
         problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
         try:
             parse_budget(self.budget)
-        except ValueError as err:
-            problems.append(str(err))
+        except ConfigError as err:
+            problems += err.problems
         raise_problems(problems)
 
 
@@ -241,19 +247,21 @@ def make_config(**keys: Any) -> CkptConfig:
     keys.pop("_target_", None)
     mode = keys.pop("mode", "full")
     if mode not in MODES:
-        raise ValueError(
-            f"ckpt.mode={mode!r} is not a mode; valid modes, closest first: "
-            f"{_quote_all(closest_first(str(mode), MODES))}"
-        )
+        raise ConfigError([Problem(
+            "ckpt.mode", f"ckpt.mode={mode!r} is not a mode",
+            f"valid modes, closest first: {_quote_all(closest_first(str(mode), MODES))}",
+        )])
     cls = MODES[mode]
     valid = user_keys(cls)
-    problems = []
+    problems: list[Problem] = []
     for key in (k for k in keys if k not in valid):
         near = difflib.get_close_matches(key, valid, n=1)
-        problems.append(
+        problems.append(Problem(
+            f"ckpt.{key}",
             f"unknown key ckpt.{key}" + (f" (did you mean ckpt.{near[0]}?)" if near else "")
-            + f" for ckpt mode {mode!r}; valid keys: {', '.join(valid)}"
-        )
+            + f" for ckpt mode {mode!r}",
+            f"valid keys: {', '.join(valid)}",
+        ))
     try:
         config = cls(**{k: _plain(v) for k, v in keys.items() if k in valid})
     except ConfigError as err:  # the values' problems, reported with the keys' problems

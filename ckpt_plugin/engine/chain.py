@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
 from ckpt_plugin._compat import close_region, open_region
+from ckpt_plugin.errors import Problem
 from ckpt_plugin.engine.norms import running_stats
 from ckpt_plugin.engine.sequential import Node, Region, regions, schedule
 from ckpt_plugin.engine.treatment import Treatment
@@ -186,7 +187,7 @@ def chains_of(model: nn.Module) -> list[ChainCheckpoint]:
     return seen
 
 
-def check_consecutive(model: nn.Module, names: list[str]) -> list[str]:
+def check_consecutive(model: nn.Module, names: list[str]) -> list[Problem]:
     """Problems that keep ``names`` from being one chain (empty: no static reason).
 
     Each layer's parent must be an ``nn.Sequential`` or ``nn.ModuleList`` and the
@@ -194,7 +195,7 @@ def check_consecutive(model: nn.Module, names: list[str]) -> list[str]:
     parent into the next (the Bottlenecks of consecutive ResNet stages). Whether
     each layer really gets the previous one's output is checked on every call.
     """
-    problems = []
+    problems: list[Problem] = []
     by_parent: dict[str, list[str]] = {}
     for name in names:
         by_parent.setdefault(name.rpartition(".")[0], []).append(name)
@@ -202,18 +203,20 @@ def check_consecutive(model: nn.Module, names: list[str]) -> list[str]:
         parent = model.get_submodule(parent_name)
         where = parent_name or "the model"
         if not isinstance(parent, (nn.Sequential, nn.ModuleList)):
-            problems.append(
+            problems.append(Problem(
+                "ckpt.segments",
                 f"ckpt.segments: {', '.join(group)} {'is a child' if len(group) == 1 else 'are children'} of "
                 f"{where} ({type(parent).__name__}), not of "
-                f"an nn.Sequential or nn.ModuleList, so the order they run in is unknown; select blocks "
-                f"of a Sequential/ModuleList, or set ckpt.segments=null"
-            )
+                f"an nn.Sequential or nn.ModuleList, so the order they run in is unknown",
+                "select blocks of a Sequential/ModuleList, or set ckpt.segments=null",
+            ))
             continue
         children = [f"{parent_name}.{k}" if parent_name else k for k, _ in parent.named_children()]
         start = children.index(group[0])
         if children[start : start + len(group)] != group:
-            problems.append(
-                f"ckpt.segments: {', '.join(group)} are not consecutive children of {where}; select a run "
-                f"of consecutive blocks (ckpt.every_n cannot be combined with segments)"
-            )
+            problems.append(Problem(
+                "ckpt.segments",
+                f"ckpt.segments: {', '.join(group)} are not consecutive children of {where}",
+                "select a run of consecutive blocks (ckpt.every_n cannot be combined with segments)",
+            ))
     return problems

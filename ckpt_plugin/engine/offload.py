@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ckpt_plugin._compat import StorageWeakRef, outer_saved_tensors_hooks
+from ckpt_plugin._compat import StorageWeakRef, base_of, outer_saved_tensors_hooks, version
 
 __all__ = ["OffloadStats", "Offloading", "offloading", "should_move"]
 
@@ -82,7 +82,8 @@ def _rank_zero() -> bool:
 
 def should_move(t: torch.Tensor, min_bytes: int) -> bool:
     """Whether ``t`` is worth keeping in host memory, judged by its role and size, not its device."""
-    root = t._base if t._base is not None else t  # a view of a weight is the weight
+    base = base_of(t)
+    root = base if base is not None else t  # a view of a weight is the weight
     if isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad):
         return False
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized:
@@ -186,7 +187,7 @@ class Offloading(saved_tensors_hooks):
         if t.device.type in self._in_host_memory:
             self.stats.already_on_cpu += 1
             return self._keep(t)
-        key = (StorageWeakRef(t.untyped_storage()), t._version)
+        key = (StorageWeakRef(t.untyped_storage()), version(t))
         copy = self._copies.get(key)
         if copy is None:
             copy = self._copies[key] = _HostCopy(t, self._side_stream(t.device) if t.is_cuda else None)

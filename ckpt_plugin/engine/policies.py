@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ckpt_plugin.errors import closest_first, raise_problems
+from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 from ckpt_plugin._compat import TorchDispatchMode, argument as _argument, is_mutable as _is_mutable
 from ckpt_plugin._compat import outer_saved_tensors_hooks as _outer_saved_tensors_hooks, version as _version
@@ -64,6 +64,7 @@ MATMULS = MATMULS_NO_BATCH + (
     "_efficient_attention_forward",
 )
 POLICIES = ("matmuls", "matmuls_no_batch", "names")
+_OPS_OF = {"matmuls": MATMULS, "matmuls_no_batch": MATMULS_NO_BATCH}  # the policies that are op lists
 
 # Ops that checkpoint itself runs a different number of times in forward and recompute
 # (torch's SAC_IGNORED_OPS): counting them would misalign the replay.
@@ -130,29 +131,34 @@ def _refusal(op: Any) -> str | None:
     return None
 
 
-def resolve_op(text: str) -> tuple[list[Any], str | None]:
+def resolve_op(text: str) -> tuple[list[Any], Problem | None]:
     """``"aten.mm"``, ``"mm"``, ``"aten::mm.default"``, ``"torch.ops.aten.mm"`` -> overloads.
 
-    A packet gives its functional overloads. Returns ``(overloads, problem)``.
+    A packet gives its functional overloads. Returns ``(overloads, problem)``,
+    the problem (about ``ckpt.policy``) None when the op resolves.
     """
     spec = text.strip().removeprefix("torch.ops.").replace("::", ".").removeprefix("aten.")
     name, _, overload = spec.partition(".")
     packet = getattr(torch.ops.aten, name, None) if name and "." not in overload else None
     if not isinstance(packet, _Packet):
         near = ", ".join(closest_first(name or spec, _aten_op_names())[:6])
-        return [], f"ckpt.policy: unknown op {text!r}; closest aten ops: {near}"
+        return [], Problem("ckpt.policy", f"ckpt.policy: unknown op {text!r}", f"closest aten ops: {near}")
     if overload:
         if overload not in packet.overloads():
-            return [], (f"ckpt.policy: aten.{name} has no overload {overload!r}; its overloads: "
-                        f"{', '.join(closest_first(overload, packet.overloads()))}")
+            return [], Problem("ckpt.policy", f"ckpt.policy: aten.{name} has no overload {overload!r}",
+                               f"its overloads: {', '.join(closest_first(overload, packet.overloads()))}")
         op = getattr(packet, overload)
         why = _refusal(op)
-        return ([], f"ckpt.policy: {text!r} {why}") if why else ([op], None)
+        return ([], _refused(text, why)) if why else ([op], None)
     ops = [getattr(packet, o) for o in packet.overloads()]
     usable = [op for op in ops if _refusal(op) is None]
     if not usable:
-        return [], f"ckpt.policy: {text!r} {_refusal(ops[0])}"
+        return [], _refused(text, _refusal(ops[0]))
     return usable, None
+
+
+def _refused(text: str, why: str) -> Problem:
+    return Problem("ckpt.policy", f"ckpt.policy: {text!r} {why}")
 
 
 def _builtin_ops(names: Iterable[str]) -> frozenset:
@@ -169,17 +175,19 @@ def _draws_random(op: Any, args: tuple, kwargs: dict) -> bool:
 
 # ---------------------------------------------------------------------- the policy
 
-def _names(key: str, value: Any) -> tuple[tuple[str, ...] | None, list[str]]:
+def _names(key: str, value: Any) -> tuple[tuple[str, ...] | None, list[Problem]]:
     if value is None:
         return None, []
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, Iterable) or isinstance(value, (bytes, dict)):
-        return None, [f"ckpt.{key}={value!r} ({type(value).__name__}) must be a name or a list of names"]
+        return None, [Problem(f"ckpt.{key}",
+                              f"ckpt.{key}={value!r} ({type(value).__name__}) must be a name or a list of names")]
     value = list(value)
     bad = [v for v in value if not isinstance(v, str) or not v.strip()]
     if bad or not value:
-        return None, [f"ckpt.{key}={value!r}: give one or more non-empty names used with checkpoint_name"]
+        return None, [Problem(f"ckpt.{key}",
+                              f"ckpt.{key}={value!r}: give one or more non-empty names used with checkpoint_name")]
     return tuple(dict.fromkeys(v.strip() for v in value)), []
 
 
@@ -189,7 +197,8 @@ class SelectivePolicy:
     Build it with :func:`make_policy`. It is a ``torch.utils.checkpoint`` policy
     function (``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``) and gives
     the ``context_fn`` for ``checkpoint(..., use_reentrant=False, context_fn=...)``.
-    ``seen_names`` collects the ``checkpoint_name`` tags met by forwards so far.
+    ``seen_names`` collects the ``checkpoint_name`` tags met by forwards so far;
+    ``uses_names`` is whether it goes by those tags (``policy="names"``) rather than by ops.
     """
 
     def __init__(self, policy: Any, *, save_names: Any = None, exclude_names: Any = None) -> None:
@@ -200,49 +209,54 @@ class SelectivePolicy:
         self.ops: frozenset = frozenset()
         keys = (("save_names", save_names), ("exclude_names", exclude_names))
         given = [f"ckpt.{k}" for k, v in keys if v is not None]
-        if isinstance(policy, str):
-            if policy not in POLICIES:
-                problems.append(f"ckpt.policy={policy!r} is not a policy; valid policies, closest first: "
-                                f"{', '.join(closest_first(policy, POLICIES))}, or a list of aten op names")
-            elif policy == "names":
-                if save_names is not None and exclude_names is not None:
-                    problems.append("ckpt.save_names and ckpt.exclude_names are both set: give one, "
-                                    "save_names to save only those names, exclude_names to save every name but those")
-                elif save_names is None and exclude_names is None:
-                    problems.append("ckpt.policy=names needs ckpt.save_names (save only these names) or "
-                                    "ckpt.exclude_names (save every name but these)")
+        self.uses_names: bool = isinstance(policy, str) and policy == "names"
+        if self.uses_names:
+            if save_names is not None and exclude_names is not None:
+                problems.append(Problem(
+                    "ckpt.save_names",
+                    "ckpt.save_names and ckpt.exclude_names are both set: give one, "
+                    "save_names to save only those names, exclude_names to save every name but those"))
+            elif save_names is None and exclude_names is None:
+                problems.append(Problem(
+                    "ckpt.save_names",
+                    "ckpt.policy=names needs ckpt.save_names (save only these names) or "
+                    "ckpt.exclude_names (save every name but these)"))
+        elif isinstance(policy, str):
+            if policy in _OPS_OF:
+                self.ops = _builtin_ops(_OPS_OF[policy])
             else:
-                self.ops = _builtin_ops(MATMULS if policy == "matmuls" else MATMULS_NO_BATCH)
+                problems.append(Problem(
+                    "ckpt.policy", f"ckpt.policy={policy!r} is not a policy",
+                    f"valid policies, closest first: {', '.join(closest_first(policy, POLICIES))}, "
+                    "or a list of aten op names"))
         elif isinstance(policy, Iterable) and not isinstance(policy, (bytes, dict)):
             policy = tuple(policy)
             if not policy:
-                problems.append("ckpt.policy=[] names no ops: give aten op names such as [mm, addmm], "
-                                f"or one of {', '.join(POLICIES)}")
+                problems.append(Problem("ckpt.policy", "ckpt.policy=[] names no ops: give aten op names such as "
+                                        f"[mm, addmm], or one of {', '.join(POLICIES)}"))
             ops = set()
             for text in policy:
                 if not isinstance(text, str):
-                    problems.append(f"ckpt.policy: op names must be strings, got {text!r}")
+                    problems.append(Problem("ckpt.policy", f"ckpt.policy: op names must be strings, got {text!r}"))
                     continue
                 if text in POLICIES:
-                    problems.append(f"ckpt.policy: {text!r} is a policy, not an op: write ckpt.policy={text}")
+                    problems.append(Problem("ckpt.policy", f"ckpt.policy: {text!r} is a policy, not an op: "
+                                            f"write ckpt.policy={text}"))
                     continue
                 found, problem = resolve_op(text)
                 ops.update(found)
                 problems += [problem] if problem else []
             self.ops = frozenset(ops)
         elif policy is not None or not given:  # None with names: the names' problem below says it
-            problems.append(f"ckpt.policy={policy!r} ({type(policy).__name__}) must be one of "
-                            f"{', '.join(POLICIES)} or a list of aten op names")
-        if given and policy != "names":
+            problems.append(Problem("ckpt.policy", f"ckpt.policy={policy!r} ({type(policy).__name__}) must be one "
+                                    f"of {', '.join(POLICIES)} or a list of aten op names"))
+        if given and not self.uses_names:
             verb = "needs" if len(given) == 1 else "need"
-            problems.append(f"{' and '.join(given)} {verb} ckpt.policy=names, got ckpt.policy={policy!r}")
+            problems.append(Problem("ckpt.policy",
+                                    f"{' and '.join(given)} {verb} ckpt.policy=names, got ckpt.policy={policy!r}"))
         raise_problems(problems, "the selective checkpointing policy")
         self.policy = policy
         self.seen_names: set[str] = set()
-
-    @property
-    def uses_names(self) -> bool:
-        return self.policy == "names"
 
     def saves(self, op: Any, args: tuple, kwargs: dict, *, record: bool = True) -> bool:
         """Whether the output of this call of ``op`` is kept for backward."""
@@ -268,12 +282,13 @@ class SelectivePolicy:
     def check_names(self) -> None:
         """Raise if a name in save_names/exclude_names was never met by a forward."""
         used = ", ".join(sorted(self.seen_names)) or "(none)"
-        problems = []
+        problems: list[Problem] = []
         for key, names in (("save_names", self.save_names), ("exclude_names", self.exclude_names)):
             for name in names or ():
                 if name not in self.seen_names:
                     near = ", ".join(closest_first(name, self.seen_names)) or "(none)"
-                    problems.append(f"ckpt.{key}: no checkpoint_name in the model uses {name!r}; names used: {near}")
+                    problems.append(Problem(f"ckpt.{key}", f"ckpt.{key}: no checkpoint_name in the model uses "
+                                            f"{name!r}", f"names used: {near}"))
         raise_problems(problems, f"the names of the policy (names used: {used})")
 
     def __repr__(self) -> str:

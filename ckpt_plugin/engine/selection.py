@@ -21,26 +21,111 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import nn
 
-from ckpt_plugin.errors import closest_first, raise_problems
+from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 _SHOWN = 12  # how many existing names an error lists before "..."
-
-
-@dataclass(frozen=True)
-class _Selector:
-    text: str
-    test: Callable[[str, nn.Module], bool]
-    what: str  # for errors: "class name", "glob", ...
 
 
 def _shown(names: list[str]) -> str:
     more = f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
     return ", ".join(names[:_SHOWN]) + more
+
+
+# ---------------------------------------------------------------------- the kinds of entry
+
+@dataclass(frozen=True)
+class ClassName:
+    """``TransformerBlock``: modules whose class, or a base of it, has that name."""
+
+    text: str
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        # The class or a base: FSDP2's fully_shard swaps a module's class for a subclass
+        # (TransformerBlock -> FSDPTransformerBlock) that must still match its own name.
+        return any(c.__name__ == self.text for c in type(module).__mro__)
+
+    def nothing_matched(self, model: nn.Module, names: list[str]) -> Problem:
+        classes = {type(m).__name__ for m in model.modules()}
+        return Problem(
+            "ckpt.layers",
+            f"ckpt.layers: no module of class {self.text!r} in {type(model).__name__}",
+            f"class names in this model, closest first: {_shown(closest_first(self.text, classes))}",
+        )
+
+
+@dataclass(frozen=True)
+class ClassPath:
+    """``pkg.models.Block``: instances of the imported class, subclasses included."""
+
+    text: str
+    cls: type
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        return isinstance(module, self.cls)
+
+    def nothing_matched(self, model: nn.Module, names: list[str]) -> Problem:
+        return Problem(
+            "ckpt.layers",
+            f"ckpt.layers: no module in {type(model).__name__} is an instance of {self.text!r}",
+            f"class names in this model: {_shown(sorted({type(m).__name__ for m in model.modules()}))}",
+        )
+
+
+class _ByModuleName:
+    """An entry matched against module names; ``kind`` names it in errors."""
+
+    text: str
+    kind: ClassVar[str]
+
+    def nothing_matched(self, model: nn.Module, names: list[str]) -> Problem:
+        return Problem(
+            "ckpt.layers",
+            f"ckpt.layers: the {self.kind} {self.text!r} matches no module name in {type(model).__name__}",
+            f"module names, closest first: {_shown(closest_first(self.text, names))}",
+        )
+
+
+@dataclass(frozen=True)
+class ModuleName(_ByModuleName):
+    """``blocks.3``: the submodule of exactly that qualified name."""
+
+    text: str
+    kind: ClassVar[str] = "module name"
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        return name == self.text
+
+
+@dataclass(frozen=True)
+class Glob(_ByModuleName):
+    """``blocks.*``: module names matching the glob."""
+
+    text: str
+    kind: ClassVar[str] = "glob"
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        return fnmatch.fnmatchcase(name, self.text)
+
+
+@dataclass(frozen=True)
+class Regex(_ByModuleName):
+    """``re:blocks\\.[0-9]+``: module names fully matching the regex after ``re:``."""
+
+    text: str
+    pattern: re.Pattern
+    kind: ClassVar[str] = "regex"
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+
+Selector = ClassName | ClassPath | ModuleName | Glob | Regex
 
 
 def _import_class(path: str) -> type | None:
@@ -53,86 +138,62 @@ def _import_class(path: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _parse(text: str, names: list[str], problems: list[str]) -> _Selector | None:
+def _parse(text: str, names: list[str], problems: list[Problem]) -> Selector | None:
     if text.startswith("re:"):
         try:
             pattern = re.compile(text[3:])
         except re.error as err:
-            problems.append(f"ckpt.layers: {text!r} is not a valid regular expression ({err})")
+            problems.append(Problem("ckpt.layers", f"ckpt.layers: {text!r} is not a valid regular expression ({err})"))
             return None
-        return _Selector(text, lambda name, _m: pattern.fullmatch(name) is not None, "regex")
+        return Regex(text, pattern)
     if any(c in text for c in "*?["):
-        return _Selector(text, lambda name, _m: fnmatch.fnmatchcase(name, text), "glob")
+        return Glob(text)
     if "." not in text:
-        return _Selector(text, _has_class_named(text), "class name")
+        return ClassName(text)
     if text in names:
-        return _Selector(text, lambda name, _m: name == text, "module name")
+        return ModuleName(text)
     cls = _import_class(text)
     if cls is None:
-        problems.append(
+        problems.append(Problem(
+            "ckpt.layers",
             f"ckpt.layers: {text!r} is neither a module name in the model nor an importable class "
-            f"(write a class as 'package.module.ClassName'); module names, closest first: "
-            f"{_shown(closest_first(text, names))}"
-        )
+            f"(write a class as 'package.module.ClassName')",
+            f"module names, closest first: {_shown(closest_first(text, names))}",
+        ))
         return None
-    return _Selector(text, lambda _n, module: isinstance(module, cls), "class path")
-
-
-def _nothing_matched(sel: _Selector, model: nn.Module, names: list[str]) -> str:
-    if sel.what == "class name":
-        classes = {type(m).__name__ for m in model.modules()}
-        return (
-            f"ckpt.layers: no module of class {sel.text!r} in {type(model).__name__}; "
-            f"class names in this model, closest first: {_shown(closest_first(sel.text, classes))}"
-        )
-    if sel.what == "class path":
-        return (
-            f"ckpt.layers: no module in {type(model).__name__} is an instance of {sel.text!r}; "
-            f"class names in this model: {_shown(sorted({type(m).__name__ for m in model.modules()}))}"
-        )
-    return (
-        f"ckpt.layers: the {sel.what} {sel.text!r} matches no module name in "
-        f"{type(model).__name__}; module names, closest first: {_shown(closest_first(sel.text, names))}"
-    )
-
-
-def _has_class_named(text: str) -> Callable[[str, nn.Module], bool]:
-    # The class or a base: FSDP2's fully_shard swaps a module's class for a subclass
-    # (TransformerBlock -> FSDPTransformerBlock) that must still match its own name.
-    return lambda _n, module: any(c.__name__ == text for c in type(module).__mro__)
+    return ClassPath(text, cls)
 
 
 def select_layers(model: nn.Module, layers: Sequence[str], every_n: int = 1) -> list[str]:
     """Qualified names of the modules to wrap, in the model's order.
 
-    Raises ``ValueError`` naming every entry of ``ckpt.layers`` that matched
-    nothing, or an ``every_n`` that keeps none of the matches. The root module
-    itself is never a candidate, and a match nested inside another match is
-    dropped (checkpointing inside a checkpointed region only adds recompute).
+    Raises :class:`~ckpt_plugin.errors.ConfigError` (a ``ValueError``) naming
+    every entry of ``ckpt.layers`` that matched nothing, or an ``every_n`` that
+    keeps none of the matches. The root module itself is never a candidate, and
+    a match nested inside another match is dropped (checkpointing inside a
+    checkpointed region only adds recompute).
     """
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
-    problems: list[str] = []
+    problems: list[Problem] = []
     selectors = [s for s in (_parse(t, names, problems) for t in layers) if s]
 
     chosen: set[str] = set()
     for sel in selectors:
-        hits = {n for n, m in named if sel.test(n, m)}
+        hits = {n for n, m in named if sel.matches(n, m)}
         if not hits:
-            problems.append(_nothing_matched(sel, model, names))
+            problems.append(sel.nothing_matched(model, names))
         chosen |= hits
-    if problems:
-        raise_problems(problems, "ckpt.layers")
+    raise_problems(problems, "ckpt.layers")
 
     outermost = [n for n in names if n in chosen and not _has_ancestor_in(n, chosen)]
     kept = [n for i, n in enumerate(outermost) if (i + 1) % every_n == 0]
     if not kept:
-        raise_problems(
-            [
-                f"ckpt.every_n={every_n} keeps none of the {len(outermost)} matched layers "
-                f"({_shown(outermost)}); use a value from 1 to {len(outermost)}"
-            ]
-        )
+        raise_problems([Problem(
+            "ckpt.every_n",
+            f"ckpt.every_n={every_n} keeps none of the {len(outermost)} matched layers ({_shown(outermost)})",
+            f"use a value from 1 to {len(outermost)}",
+        )])
     return kept
 
 

@@ -28,6 +28,8 @@ from typing import Any
 
 from torch.utils.checkpoint import checkpoint
 
+from ckpt_plugin.errors import ConfigError, Problem, raise_problems
+
 SEGMENT_WORDS = ("sqrt", "recursive")
 
 
@@ -43,36 +45,38 @@ class Region:
 Node = int | Region
 
 
-def segment_problems(segments: Any, key: str = "ckpt.segments") -> list[str]:
+def segment_problems(segments: Any, key: str = "ckpt.segments") -> list[Problem]:
     """What is wrong with a ``segments`` value on its own (not knowing the chain's length)."""
     if segments is None or segments in SEGMENT_WORDS:
         return []
     if isinstance(segments, bool) or not isinstance(segments, int):
-        return [
+        return [Problem(
+            key,
             f"{key}={segments!r} ({type(segments).__name__}) must be an integer >= 1, "
-            f"'sqrt' or 'recursive' (or null for one checkpoint per layer)"
-        ]
+            f"'sqrt' or 'recursive' (or null for one checkpoint per layer)",
+        )]
     if segments < 1:
-        return [f"{key}={segments} must be >= 1: the number of checkpointed segments (or 'sqrt', 'recursive')"]
+        return [Problem(
+            key, f"{key}={segments} must be >= 1: the number of checkpointed segments (or 'sqrt', 'recursive')"
+        )]
     return []
 
 
 def schedule(length: int, segments: int | str, key: str = "ckpt.segments") -> list[Node]:
     """The nodes of a chain of ``length`` functions under ``segments``."""
-    problems = segment_problems(segments, key)
-    if problems:
-        raise ValueError(problems[0])
+    raise_problems(segment_problems(segments, key), key)
     if length < 1:
-        raise ValueError(f"{key}: there is no function to checkpoint (the chain is empty)")
+        raise ConfigError([Problem(key, f"{key}: there is no function to checkpoint (the chain is empty)")], key)
     if segments == "recursive":  # a top-level half of one layer is a region too (else L=2 checkpoints nothing)
         halves = _halve(0, length).children if length > 1 else (0,)
         return [c if isinstance(c, Region) else Region(c, c + 1, (c,)) for c in halves]
     count = math.ceil(math.sqrt(length)) if segments == "sqrt" else segments
     if count > length:
-        raise ValueError(
-            f"{key}={segments} asks for more segments than the {length} layers of the chain; "
-            f"use a value from 1 to {length}, 'sqrt' or 'recursive'"
-        )
+        raise ConfigError([Problem(
+            key,
+            f"{key}={segments} asks for more segments than the {length} layers of the chain",
+            f"use a value from 1 to {length}, 'sqrt' or 'recursive'",
+        )], key)
     bounds = [round(i * length / count) for i in range(count + 1)]
     return [Region(a, b, tuple(range(a, b))) for a, b in zip(bounds, bounds[1:])]
 
@@ -107,7 +111,9 @@ def checkpoint_sequential(
     functions = list(functions)
     if not all(callable(f) for f in functions):
         bad = [type(f).__name__ for f in functions if not callable(f)]
-        raise ValueError(f"checkpoint_sequential: every function must be callable, got {', '.join(bad)}")
+        raise ConfigError([Problem(
+            "functions", f"checkpoint_sequential: every function must be callable, got {', '.join(bad)}"
+        )], "the functions of checkpoint_sequential")
     nodes = schedule(len(functions), segments, key="segments")
 
     def run(nodes: Sequence[Node], *args: Any) -> Any:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ckpt_plugin._compat import CategoryPeakTracker, storage_key, tree_leaves
+from ckpt_plugin._compat import CategoryPeakTracker, base_of, storage_key, tree_leaves
 
 REST = "(rest of model)"
 
@@ -39,7 +39,7 @@ def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (``weight.t()`` for a matmul). Sharding strategies gather
     parameters into fresh storage for the forward (FSDP, FSDP2, ZeRO-3), so storage identity
     with ``model.parameters()`` taken between steps does not find them; the object does."""
-    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+    return isinstance(t, nn.Parameter) or isinstance(base_of(t), nn.Parameter)
 
 
 class SavedCounter:

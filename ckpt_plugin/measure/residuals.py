@@ -36,12 +36,18 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules.module import (
+
+from ckpt_plugin._compat import (
+    TorchDispatchMode,
+    checkpointed_fn,
+    is_mutable,
+    keystr,
     register_module_forward_hook,
     register_module_forward_pre_hook,
+    storage_key,
+    tree_flatten_with_path,
+    tree_leaves,
 )
-
-from ckpt_plugin._compat import TorchDispatchMode, checkpointed_fn, is_mutable, keystr, storage_key, tree_flatten_with_path, tree_leaves
 from ckpt_plugin.measure.memory import format_bytes, side_effect_free
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

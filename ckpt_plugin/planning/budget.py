@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.memory import format_bytes
 
 _NEEDS_BUDGET = (
@@ -36,13 +37,18 @@ class Budget:
 _POSITIVE = "must be positive: a fraction in (0, 1] such as 0.4, or a size such as 2GiB"
 
 
+def _wrong(problem: str, fix: str = "") -> ConfigError:
+    """What is wrong with ``ckpt.budget``, as the error to raise."""
+    return ConfigError([Problem("ckpt.budget", problem, fix)])
+
+
 def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
     if math.isnan(value) or value <= 0:
-        raise ValueError(f"ckpt.budget={given!r} {_POSITIVE}")
+        raise _wrong(f"ckpt.budget={given!r} {_POSITIVE}")
     if value > 1:
         size = "at most 100%" if percent else f"for a size write e.g. {value:g}GiB" if value < 1024 else (
             f"for a size write e.g. {value:.0f}B" if math.isfinite(value) else "for a size write e.g. 2GiB")
-        raise ValueError(f"ckpt.budget={given!r}: a fraction must be in (0, 1]; {size}")
+        raise _wrong(f"ckpt.budget={given!r}: a fraction must be in (0, 1]", size)
     return Budget(fraction=float(value))
 
 
@@ -50,14 +56,15 @@ def parse_budget(budget: Any) -> Budget:
     """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"512MiB"``, ``"300MB"``, ``"1.5GB"`` or an int of bytes.
 
     The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte.
+    Anything else raises a :class:`ConfigError` about ``ckpt.budget``.
     """
     if budget is None or budget == "???" or (isinstance(budget, str) and not budget.strip()):  # ??? is MISSING
-        raise ValueError(_NEEDS_BUDGET)
+        raise _wrong(_NEEDS_BUDGET)
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise ValueError(f"ckpt.budget={budget!r} ({type(budget).__name__}) must be a fraction (0.4) or a size (2GiB)")
+        raise _wrong(f"ckpt.budget={budget!r} ({type(budget).__name__}) must be a fraction (0.4) or a size (2GiB)")
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(f"ckpt.budget={budget!r} {_POSITIVE}")
+            raise _wrong(f"ckpt.budget={budget!r} {_POSITIVE}")
         return Budget(fraction=1.0) if budget == 1 else Budget(bytes=budget)
     if isinstance(budget, float):
         return _fraction(budget, budget)
@@ -72,11 +79,11 @@ def parse_budget(budget: Any) -> Budget:
     match = _SIZE.match(text)
     if match is None:
         why = "must be positive" if text.startswith("-") else "is not a budget"
-        raise ValueError(f"ckpt.budget={budget!r} {why}: write a fraction of the activation peak without "
+        raise _wrong(f"ckpt.budget={budget!r} {why}: write a fraction of the activation peak without "
                          "checkpointing (0.4, 40%) or a size (2GiB, 512MiB, 300MB, or an integer number of bytes)")
     size = int(float(match[1]) * _UNITS[match[2].lower()])
     if size <= 0:
-        raise ValueError(f"ckpt.budget={budget!r} {_POSITIVE}")
+        raise _wrong(f"ckpt.budget={budget!r} {_POSITIVE}")
     return Budget(bytes=size)
 
 
