@@ -303,6 +303,26 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_cycle_finder_finds_cycles() -> None:
     assert strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert strongly_connected({"a": {"b"}, "b": set()}) == []
+    assert shortest_cycle({"a": {"b", "d"}, "b": {"c"}, "c": {"a"}, "d": {"b"}}, ["a", "b", "c", "d"]) == ["a", "b", "c", "a"]
+
+
+def shortest_cycle(graph: dict[str, set[str]], scc: list[str]) -> list[str]:
+    """A shortest cycle through ``scc[0]`` inside the SCC, as [a, b, ..., a] (breadth-first)."""
+    members, start = set(scc), scc[0]
+    parent: dict[str, str] = {}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for child in sorted(graph[node] & members):
+            if child == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [start, *reversed(path[:-1]), node, start] if node != start else [start, start]
+            if child not in parent:
+                parent[child] = node
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start} in {scc}")
 
 
 def test_no_import_cycles() -> None:
@@ -310,12 +330,12 @@ def test_no_import_cycles() -> None:
     cycles = strongly_connected(graph)
     detail = []
     for scc in cycles:
-        members = set(scc)
-        for module in scc:
-            for imp in IMPORTS[module]:
-                if intra_target(imp.target) in members and intra_target(imp.target) in graph[module]:
-                    detail.append(f"  {imp.file}:{imp.line} imported {imp.target}")
-    assert not cycles, f"import cycles (function-level imports included): {cycles}\n" + "\n".join(detail)
+        path = shortest_cycle(graph, scc)
+        detail.append("cycle: " + " -> ".join(path))
+        for a, b in zip(path, path[1:]):
+            imp = next(i for i in IMPORTS[a] if intra_target(i.target) == b)
+            detail.append(f"  {imp.file}:{imp.line} imported {imp.target}")
+    assert not cycles, f"import cycles (function-level imports included), by strongly connected component: {cycles}\n" + "\n".join(detail)
 
 
 # --------------------------------------------------------------------------------------
