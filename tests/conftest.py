@@ -74,7 +74,7 @@ def run_recipe(*overrides: str, tmp_path: Path, check: bool = True) -> subproces
 
 
 def compose_train(*overrides: str):
-    """Compose ``configs/train.yaml`` in-process with Hydra, as the recipe does."""
+    """Compose ``recipes/configs/train.yaml`` in-process with Hydra, as the recipe does."""
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))

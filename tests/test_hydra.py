@@ -1,6 +1,6 @@
 """The Hydra side, end to end, with real Hydra and real Lightning (no mocks).
 
-A. Every YAML preset (configs/ckpt, model, data, trainer; found by glob, so new
+A. Every YAML preset (the ckpt, model, data and trainer groups, wherever each lives; found by glob, so new
    presets are picked up) composes into ``train.yaml`` and instantiates.
 B. ``recipes/train.py`` as a subprocess: what each ``ckpt.*`` override wraps,
    read from the table the callback prints.

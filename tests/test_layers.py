@@ -315,10 +315,10 @@ def shortest_cycle(graph: dict[str, set[str]], scc: list[str]) -> list[str]:
         node = queue.pop(0)
         for child in sorted(graph[node] & members):
             if child == start:
-                path = [node]
-                while path[-1] != start:
-                    path.append(parent[path[-1]])
-                return [start, *reversed(path[:-1]), node, start] if node != start else [start, start]
+                back = [node]
+                while back[-1] != start:
+                    back.append(parent[back[-1]])
+                return [*reversed(back), start]
             if child not in parent:
                 parent[child] = node
                 queue.append(child)

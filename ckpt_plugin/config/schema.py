@@ -2,7 +2,7 @@
 
 Every mode is a small kw-only dataclass holding only its own fields. The same
 classes serve twice: Hydra's ConfigStore uses them as the schema of the YAML
-presets in ``configs/ckpt/`` (so ``ckpt.every_n=two`` is a type error before
+presets in ``ckpt_plugin/configs/ckpt/`` (so ``ckpt.every_n=two`` is a type error before
 anything runs), and :func:`make_config` builds them from keyword arguments for
 the Python API, validating in ``__post_init__`` with errors that name the key,
 the value and what would work.

@@ -1,4 +1,11 @@
-"""Wrap and unwrap modules with non-reentrant activation checkpointing.
+"""How a module gets wrapped: :func:`install` puts a plan on a model, :func:`remove_checkpointing` takes it off.
+
+Every mode ends here. A :class:`~ckpt_plugin.engine.plan.WrapPlan` (from
+``config/plan.py`` for a config, from the planner for ``ckpt=auto``) lists
+groups of modules by qualified name, each with a ``Treatment``: one checkpoint
+per module (:class:`CheckpointedForward`, below) or segments over a chain
+(``chain.py``). :func:`install` checks the whole plan against the model, then
+removes any earlier wrapping and installs, so an error leaves the model as it was.
 
 A selected module keeps its place, its class and its name: we set an
 instance-level ``forward`` that runs the class's own forward under
@@ -31,7 +38,6 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

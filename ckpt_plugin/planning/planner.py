@@ -1,6 +1,6 @@
 """The exact planner behind ``ckpt=auto``: one option per layer, least recompute under a budget.
 
-The peak model (see ``auto.py`` for how each number is measured), with the
+The peak model (see ``profile.py`` for how each number is measured), with the
 layers in the order they run::
 
     peak = max(max_i(rest + kept[1] + ... + kept[i] + transient[i]),  # while layer i runs or recomputes

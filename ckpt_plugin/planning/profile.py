@@ -7,7 +7,7 @@ Each candidate layer gets one of three options: ``keep`` (no checkpointing),
 ``selective`` (the ``matmuls`` policy) or ``full``. :func:`profile` measures,
 on real training steps (every candidate wrapped with one option at a time),
 what each layer keeps for backward, the FLOPs its recomputation adds, and what
-it needs on top of that while it runs. :func:`plan` then picks the options with
+it needs on top of that while it runs. :func:`plan` (``planner.py``) then picks the options with
 the least recompute FLOPs whose predicted activation peak fits, exactly: a
 dynamic programme, no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and
 no ``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).

@@ -1,0 +1,473 @@
+"""``ckpt_plugin._compat``: one test per shim over a private torch API, on CPU with real
+tensors and modules, and a test that no other file of the package or its tools reaches a
+private torch API except through ``_compat``."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled
+
+from ckpt_plugin import _compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+# -- re-exported names from private modules --
+
+
+def test_storage_weak_ref_keys_a_storage_shared_by_views() -> None:
+    t = torch.randn(4, 4)
+    assert _compat.StorageWeakRef(t.untyped_storage()) == _compat.StorageWeakRef(t[1:].untyped_storage())
+    assert _compat.StorageWeakRef(t.untyped_storage()) != _compat.StorageWeakRef(t.clone().untyped_storage())
+
+
+def test_tree_leaves_of_a_nested_dict() -> None:
+    a, b, c = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
+    leaves = _compat.tree_leaves({"x": a, "y": [b, {"z": c}], "n": None})
+    assert len([t for t in leaves if isinstance(t, torch.Tensor)]) == 3
+    assert {id(t) for t in leaves if isinstance(t, torch.Tensor)} == {id(a), id(b), id(c)}
+
+
+def test_tree_flatten_with_path_and_keystr_name_each_leaf() -> None:
+    pairs, _ = _compat.tree_flatten_with_path({"x": 1, "y": [2, 3]})
+    assert {_compat.keystr(path): leaf for path, leaf in pairs} == {"['x']": 1, "['y'][0]": 2, "['y'][1]": 3}
+
+
+def test_torch_dispatch_mode_sees_aten_ops() -> None:
+    seen = []
+
+    class Recorder(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        torch.randn(2, 2).mm(torch.randn(2, 2))
+    assert torch.ops.aten.mm.default in seen
+
+
+def test_register_module_forward_hooks_see_every_module() -> None:
+    model, entered, exited = _mlp(), [], []
+    pre = _compat.register_module_forward_pre_hook(lambda m, args: entered.append(m))
+    post = _compat.register_module_forward_hook(lambda m, args, out: exited.append(m))
+    try:
+        model(torch.randn(2, 8))
+    finally:
+        pre.remove()
+        post.remove()
+    assert entered == [model, *model] and set(map(id, exited)) == set(map(id, entered))
+    model(torch.randn(2, 8))  # removed: nothing more
+    assert len(entered) == 4
+
+
+def test_mem_tracker_is_torch_memory_tracker() -> None:
+    assert issubclass(_compat.CategoryPeakTracker, _compat.MemTracker)
+    assert _compat.MemTracker.__module__.startswith("torch.distributed")
+
+
+# -- functions and classes of _compat --
+
+
+def test_storage_key_equal_for_a_view_and_its_base_different_for_a_clone() -> None:
+    t = torch.randn(4, 4)
+    assert _compat.storage_key(t) == _compat.storage_key(t.t()) == _compat.storage_key(t[2:])
+    assert _compat.storage_key(t) != _compat.storage_key(t.clone())
+    assert _compat.storage_key(t)[0] == "cpu"
+
+
+def test_category_peak_tracker_reports_category_peaks_of_a_step() -> None:
+    model = _mlp()
+    x = torch.randn(32, 8)
+    tracker = _compat.CategoryPeakTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(x).square().sum().backward()
+    peaks = tracker.category_peaks
+    assert peaks["act"] > 0 and peaks["param"] > 0 and peaks["grad"] > 0
+    assert peaks["param"] == sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def test_open_and_close_region_match_the_plain_function() -> None:
+    model = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(inp: torch.Tensor) -> torch.Tensor:
+        return model(inp).sin()
+
+    expected = torch.autograd.grad(fn(x).sum(), [x, *model.parameters()])
+    fn_calls = []
+
+    def counted(inp: torch.Tensor) -> torch.Tensor:
+        fn_calls.append(1)
+        return fn(inp)
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        gen = _compat.open_region(counted, True, noop_context_fn, x)
+        try:
+            out = fn(x)  # the region's forward: run by the caller, inside the region
+        except BaseException:
+            gen.close()
+            raise
+        _compat.close_region(gen)
+    # Only the region's input is saved through the outer hooks: its activations are recomputed.
+    assert len(saved) == 1 and saved[0] is x
+    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    assert fn_calls == [1]  # recomputed once in backward
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+
+
+def test_close_region_refuses_a_generator_that_yields_again() -> None:
+    def twice():
+        yield
+        yield
+
+    gen = twice()
+    next(gen)
+    with pytest.raises(AssertionError):
+        _compat.close_region(gen)
+
+
+def test_region_generator_signature_is_checked() -> None:
+    generator = _compat._region_generator()
+    assert generator is torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    names = list(inspect.signature(generator).parameters)
+    assert tuple(names[: len(_compat._REGION_PARAMETERS)]) == _compat._REGION_PARAMETERS
+
+
+def test_region_generator_fails_loudly_on_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reordered(fn, context_fn=None, preserve_rng_state=True, determinism_check="default",
+                  debug=False, early_stop=True, *args, **kwargs):
+        yield
+
+    monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", reordered)
+    _compat._region_generator.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="changed its signature"):
+            _compat._region_generator()
+    finally:
+        _compat._region_generator.cache_clear()
+
+
+def test_checkpoint_wrapper_type_is_what_checkpoint_wrapper_makes() -> None:
+    wrapped = checkpoint_wrapper(nn.Linear(2, 2))
+    assert type(wrapped) is _compat.checkpoint_wrapper_type()
+
+
+def test_uncompiled_unwraps_torch_compile() -> None:
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model)  # creating the wrapper compiles nothing
+    assert compiled is not model
+    assert _compat.uncompiled(compiled) is model
+    assert _compat.uncompiled(model) is model
+
+
+def test_tracing_for_compile_false_in_eager_true_under_proxy_tracing() -> None:
+    assert _compat.tracing_for_compile() is False
+    seen = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(_compat.tracing_for_compile())
+        return x * 2
+
+    make_fx(f)(torch.randn(2))
+    assert seen == [True]
+    assert _compat.tracing_for_compile() is False
+
+
+def test_checkpoint_debug_enabled_follows_torch_setting() -> None:
+    assert _compat.checkpoint_debug_enabled() is False
+    with set_checkpoint_debug_enabled(True):
+        assert _compat.checkpoint_debug_enabled() is True
+        with set_checkpoint_debug_enabled(False):
+            assert _compat.checkpoint_debug_enabled() is False
+    assert _compat.checkpoint_debug_enabled() is False
+
+
+def test_outer_saved_tensors_hooks_inside_and_outside() -> None:
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    assert _compat.outer_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert _compat.outer_saved_tensors_hooks() == (pack, unpack)
+    assert _compat.outer_saved_tensors_hooks() is None
+
+
+def test_version_increments_after_an_in_place_op() -> None:
+    t = torch.zeros(3)
+    before = _compat.version(t)
+    t.add_(1)
+    assert _compat.version(t) == before + 1
+    view = t[1:]
+    view.mul_(2)  # views share the counter
+    assert _compat.version(t) == _compat.version(view) == before + 2
+    t.clone().add_(1)
+    assert _compat.version(t) == before + 2
+
+
+def test_base_of_a_view_is_its_base() -> None:
+    w = nn.Parameter(torch.randn(3, 3))
+    assert _compat.base_of(w.t()) is w
+    assert _compat.base_of(w) is None
+    assert _compat.base_of(w.detach().clone()) is None
+
+
+def test_is_mutable_on_aten_ops() -> None:
+    aten = torch.ops.aten
+    assert _compat.is_mutable(aten.add_.Tensor)
+    assert _compat.is_mutable(aten.add.out)
+    assert not _compat.is_mutable(aten.add.Tensor)
+    assert not _compat.is_mutable(aten.mm.default)
+
+
+def test_argument_of_one_call_passed_defaulted_or_missing() -> None:
+    aten = torch.ops.aten
+    a, b = torch.ones(2), torch.ones(2)
+    assert _compat.argument(aten.add.Tensor, (a, b), {}, "other") is b
+    assert _compat.argument(aten.add.Tensor, (a, b), {"alpha": 3}, "alpha") == 3
+    assert _compat.argument(aten.add.Tensor, (a, b), {}, "alpha") == 1  # the schema default
+    assert _compat.argument(aten.add.Tensor, (a, b), {}, "nope", missing="m") == "m"
+
+
+def test_checkpointed_fn_names_the_region_saving_its_inputs() -> None:
+    found = []
+
+    def pack(t):
+        found.append(_compat.checkpointed_fn(inspect.currentframe()))
+        return t
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)  # no checkpoint on the stack
+        assert found == [None]
+        checkpoint(fn, x, use_reentrant=False)
+    assert found[1:] == [fn]  # only the region's input, saved by its generator
+    assert _compat.checkpointed_fn(None) is None
+
+
+def test_hook_count_on_a_module_an_optimizer_and_a_tensor() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _compat.hook_count(model) == _compat.hook_count(opt) == _compat.hook_count(model.weight) == 0
+    handles = [
+        model.register_forward_hook(lambda *a: None, with_kwargs=True),  # its flag dict is not counted
+        model.register_forward_pre_hook(lambda *a: None),
+        model.register_full_backward_hook(lambda *a: None),
+        opt.register_step_pre_hook(lambda *a: None),
+        model.weight.register_hook(lambda g: g),
+        model.weight.register_post_accumulate_grad_hook(lambda p: None),
+    ]
+    assert _compat.hook_count(model) == 3
+    assert _compat.hook_count(opt) == 1
+    assert _compat.hook_count(model.weight) == 2
+    assert _compat.hook_count(model.bias) == 0
+    for h in handles:
+        h.remove()
+    assert _compat.hook_count(model) == _compat.hook_count(opt) == _compat.hook_count(model.weight) == 0
+
+
+def test_global_hook_count_sees_module_and_optimizer_registries() -> None:
+    before = _compat.global_hook_count()
+    handles = [
+        _compat.register_module_forward_hook(lambda *a: None, always_call=True),
+        _compat.register_module_forward_pre_hook(lambda *a: None),
+        nn.modules.module.register_module_full_backward_hook(lambda *a: None),
+        torch.optim.optimizer.register_optimizer_step_post_hook(lambda *a: None),
+    ]
+    try:
+        assert _compat.global_hook_count() == before + 4
+    finally:
+        for h in handles:
+            h.remove()
+    assert _compat.global_hook_count() == before
+
+
+def test_saved_tensors_hooks_depth_counts_and_keeps_the_stack() -> None:
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    base = _compat.saved_tensors_hooks_depth()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            assert _compat.saved_tensors_hooks_depth() == base + 2
+            assert _compat.outer_saved_tensors_hooks() == (pack, unpack)  # pushed back in order
+            assert _compat.saved_tensors_hooks_depth() == base + 2
+        assert _compat.saved_tensors_hooks_depth() == base + 1
+    assert _compat.saved_tensors_hooks_depth() == base
+
+
+def test_mode_stack_depth_counts_dispatch_and_function_modes() -> None:
+    base = _compat.mode_stack_depth()
+    with _compat.TorchDispatchMode():
+        assert _compat.mode_stack_depth() == base + 1
+        with torch.overrides.TorchFunctionMode():
+            assert _compat.mode_stack_depth() == base + 2
+    assert _compat.mode_stack_depth() == base
+
+
+# -- nothing else reaches a private torch API --
+
+# Modules without a leading underscore that are torch internals all the same.
+_INTERNAL_MODULES = {"torch.nn.modules.module", "torch.optim.optimizer", "torch.multiprocessing.reductions"}
+
+
+def _private_attributes() -> frozenset[str]:
+    """Private (single-underscore) attributes of torch's tensors, parameters, modules, optimizers and ops."""
+    param = nn.Parameter(torch.zeros(1))
+    objects = [torch.zeros(1), param, nn.Linear(1, 1), torch.optim.SGD([param], lr=0.1),
+               torch.ops.aten.add, torch.ops.aten.add.Tensor]
+    return frozenset(n for o in objects for n in dir(o) if n.startswith("_") and not n.startswith("__"))
+
+
+def _aten_op_names() -> frozenset[str]:
+    # Aten op names such as "_addmm_activation" are also private Tensor methods; as strings
+    # they are op names (policies.py lists them), not attribute lookups.
+    return frozenset(n for n in _private_attributes() if isinstance(getattr(torch.ops.aten, n, None), torch._ops.OpOverloadPacket))
+
+
+def _is_private_path(dotted: str) -> bool:
+    parts = dotted.split(".")
+    if parts[0] != "torch":
+        return False
+    return dotted in _INTERNAL_MODULES or any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+
+def private_torch_uses(source: str, filename: str = "<source>") -> list[str]:
+    """``file:line: what`` for each private torch API ``source`` reaches directly."""
+    tree = ast.parse(source, filename)
+    private_attrs = _private_attributes()
+    private_strings = private_attrs - _aten_op_names()
+    aliases: dict[str, str] = {}  # local name -> the torch path it stands for
+    found: list[tuple[int, str]] = []
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    if _is_private_path(alias.name):
+                        found.append((node.lineno, f"import {alias.name}"))
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+                    else:
+                        aliases["torch"] = "torch"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != "torch":
+                continue
+            if _is_private_path(node.module):
+                found.append((node.lineno, f"from {node.module} import ..."))
+            for alias in node.names:
+                path = f"{node.module}.{alias.name}"
+                if alias.name.startswith("_") and not _is_private_path(node.module):
+                    found.append((node.lineno, f"from {node.module} import {alias.name}"))
+                aliases[alias.asname or alias.name] = path
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in aliases:
+                dotted = ".".join([aliases[inner.id], *reversed(chain)])
+                prefix = ".".join([aliases[inner.id], *reversed(chain[1:])])
+                if _is_private_path(dotted) and not _is_private_path(prefix):  # once per chain, at its first private part
+                    found.append((node.lineno, dotted))
+                    continue
+            if node.attr in private_attrs and not _is_private_path(ast.unparse(node.value)):
+                found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            value = node.value
+            if value in private_strings or value.startswith("_global_") or (
+                    value.startswith("torch.") and value.replace(".", "").replace("_", "").isalnum() and _is_private_path(value)):
+                found.append((node.lineno, repr(value)))
+    return [f"{filename}:{line}: {what}" for line, what in sorted(set(found))]
+
+
+def _checked_files() -> list[Path]:
+    files = sorted((*ROOT.joinpath("ckpt_plugin").rglob("*.py"), *ROOT.joinpath("ckpt_tools").rglob("*.py")))
+    return [f for f in files if f != ROOT / "ckpt_plugin" / "_compat.py"]
+
+
+def test_no_private_torch_api_outside_compat() -> None:
+    files = _checked_files()
+    assert len(files) > 10 and any(f.name == "soak.py" for f in files)
+    problems = [p for f in files for p in private_torch_uses(f.read_text(), str(f.relative_to(ROOT)))]
+    assert not problems, "private torch APIs outside ckpt_plugin/_compat.py:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("snippet", [
+    "import torch\nautograd = torch._C._autograd",
+    "import torch\nn = torch._C._len_torch_dispatch_stack()",
+    "import torch.utils.checkpoint\nx = torch.utils.checkpoint._checkpoint_debug_enabled",
+    "from torch.utils.checkpoint import _checkpoint_without_reentrant_generator",
+    "from torch.utils._pytree import tree_leaves",
+    "import torch.utils._python_dispatch as pd",
+    "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper",
+    "from torch import _dynamo",
+    "from torch.nn.modules.module import register_module_forward_hook",
+    "from torch.multiprocessing.reductions import StorageWeakRef",
+    "from torch import nn\nhooks = nn.modules.module._global_forward_hooks",
+    "import importlib\nm = importlib.import_module('torch.nn.modules.module')",
+    "import sys\nm = sys.modules.get('torch._dynamo.eval_frame')",
+    "def f(t):\n    return t._version",
+    "def f(t):\n    return t._base",
+    "def f(op):\n    return op._schema.is_mutable",
+    "def f(m):\n    return m._forward_hooks",
+    "def f(p):\n    return getattr(p, '_backward_hooks', None)",
+    "def f(ns):\n    return [k for k in ns if k.startswith('_global_')]",
+])
+def test_the_check_finds_private_uses(snippet: str) -> None:
+    assert private_torch_uses(snippet)
+
+
+@pytest.mark.parametrize("snippet", [
+    "import torch\nx = torch.utils.checkpoint.checkpoint",
+    "import torch\nv = torch.__version__",
+    "from torch.utils.checkpoint import checkpoint, noop_context_fn",
+    "from ckpt_plugin._compat import version\nclass A:\n    def f(self):\n        return self._token",
+    "OPS = ('mm', '_addmm_activation', '_scaled_mm')",
+    "import torch\nfrom torch import nn\ndef f(m):\n    return torch.ops.aten.mm.default, nn.Linear(2, 2)",
+    "x = '_target_'",
+])
+def test_the_check_passes_public_uses(snippet: str) -> None:
+    assert private_torch_uses(snippet) == []
+
+
+def test_the_check_finds_what_soak_used_before() -> None:
+    old = (
+        "import importlib\nimport torch\n"
+        "def count(p):\n"
+        "    n = sum(len(getattr(p, a, None) or ()) for a in ('_backward_hooks', '_post_accumulate_grad_hooks'))\n"
+        "    for table in ('torch.nn.modules.module', 'torch.optim.optimizer'):\n"
+        "        n += len(vars(importlib.import_module(table)))\n"
+        "    return n + torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()\n"
+    )
+    problems = private_torch_uses(old, "soak.py")
+    assert "soak.py:7: torch._C" in problems
+    assert any(":4: '_backward_hooks'" in p for p in problems)
+    assert any(":5: 'torch.nn.modules.module'" in p for p in problems)
