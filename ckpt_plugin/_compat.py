@@ -10,14 +10,13 @@ declares (``pyproject.toml``).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 from types import FrameType
 from typing import Any
 
 import torch
-import torch.nn.modules.module
-import torch.optim.optimizer
 import torch.utils.checkpoint
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
 from torch.multiprocessing.reductions import StorageWeakRef  # what torch.utils.checkpoint keys storages by
@@ -272,8 +271,9 @@ def global_hook_count() -> int:
     and ``torch.optim.optimizer._global_*hooks``; ckpt-soak counts them to catch leaks
     (``saved_activations`` registers global module hooks for one forward).
     """
-    return sum(_hook_dicts_size(vars(table), prefix="_global_")
-               for table in (torch.nn.modules.module, torch.optim.optimizer))
+    # By name: ``torch.optim`` deletes its ``optimizer`` submodule attribute.
+    return sum(_hook_dicts_size(vars(importlib.import_module(table)), prefix="_global_")
+               for table in ("torch.nn.modules.module", "torch.optim.optimizer"))
 
 
 def saved_tensors_hooks_depth() -> int:

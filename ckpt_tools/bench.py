@@ -56,7 +56,7 @@ from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
 from ckpt_plugin.config.plan import apply_checkpointing
 from ckpt_plugin.config.schema import MODES as CKPT_MODES
-from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.measure.memory import step_flops, step_memory
@@ -169,7 +169,7 @@ def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0) -> Run:
 
 def _is_auto(mode: str) -> bool:
     keys = MODES[mode]
-    return keys is not None and keys["mode"] == "auto"
+    return keys is not None and isinstance(make_config(layers="-", **keys), AutoConfig)
 
 
 def measure_model(

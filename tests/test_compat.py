@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled
 
 from ckpt_plugin import _compat
@@ -294,7 +295,7 @@ def test_global_hook_count_sees_module_and_optimizer_registries() -> None:
         _compat.register_module_forward_hook(lambda *a: None, always_call=True),
         _compat.register_module_forward_pre_hook(lambda *a: None),
         nn.modules.module.register_module_full_backward_hook(lambda *a: None),
-        torch.optim.optimizer.register_optimizer_step_post_hook(lambda *a: None),
+        register_optimizer_step_post_hook(lambda *a: None),
     ]
     try:
         assert _compat.global_hook_count() == before + 4

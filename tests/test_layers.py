@@ -33,8 +33,6 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ckpt_plugin"
 

@@ -51,8 +51,9 @@ from ckpt_plugin._compat import (
 from ckpt_plugin.measure.memory import format_bytes, side_effect_free
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(__file__) + os.sep
-_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
+# ckpt_plugin/, not this file's measure/: frames in engine/ (policies' dispatch modes) are ours too.
+# The examples (ckpt_examples/) are outside it, so their functions are callers like the user's.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,7 @@ class _Recorder:
             if frame.f_code is _RUN_CODE:
                 return self.label  # fn is itself a torch op (saved_activations(torch.sin, x))
             path = frame.f_code.co_filename
-            ours = path.startswith(_PACKAGE_DIR) and not path.startswith(_EXAMPLES_DIR)
-            if not path.startswith(_TORCH_DIR) and not ours:
+            if not path.startswith(_TORCH_DIR) and not path.startswith(_PACKAGE_DIR):
                 return _readable(getattr(frame.f_code, "co_qualname", frame.f_code.co_name))
             frame = frame.f_back
         return self.label
