@@ -42,130 +42,23 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from ckpt_examples.gpt import GPT
-from ckpt_examples.resnet import ResNet
-from ckpt_plugin.config.plan import apply_checkpointing
 from ckpt_plugin.config.schema import MODES as CKPT_MODES
 from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.measure.memory import step_flops, step_memory
+from ckpt_tools.workloads import MODELS, MODES, ModelSpec, Run, build
 
-__all__ = ["MODELS", "MODES", "main", "pareto_front"]
+__all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build", "main", "pareto_front"]
 
 MiB = 2**20
-
-# Bench mode -> the keys of the ckpt node (``layers`` is added per model); None: ``hand``.
-MODES: dict[str, dict[str, Any] | None] = {
-    "none": {"mode": "none"},
-    "hand": None,
-    "full": {"mode": "full"},
-    "every_n_2": {"mode": "full", "every_n": 2},
-    "segments_sqrt": {"mode": "full", "segments": "sqrt"},
-    "recursive": {"mode": "full", "segments": "recursive"},
-    "selective": {"mode": "selective", "policy": "matmuls"},
-    "auto_0.25": {"mode": "auto", "budget": 0.25},
-    "auto_0.5": {"mode": "auto", "budget": 0.5},
-    "auto_0.75": {"mode": "auto", "budget": 0.75},
-    "offload": {"mode": "offload"},
-}
-
-
-class HandGPT(GPT):
-    """GPT whose ``forward`` checkpoints every block by hand, as a user would write it."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
-
-
-class HandResNet(ResNet):
-    """ResNet whose ``forward`` checkpoints every ``Bottleneck`` by hand.
-
-    As everyone's hand-written version does, it updates BatchNorm running
-    statistics twice per step (pytorch#96136); that changes no byte or FLOP.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for stage in self.stages:
-            for block in stage:
-                x = checkpoint(block, x, use_reentrant=False)  # (B, C, H', W')
-        return self.fc(x.mean(dim=(2, 3)))
-
-
-def _gpt_batch(model: GPT, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    shape, V = model.example_input_array.shape, model.hparams.vocab_size  # (B, T)
-    return torch.randint(V, shape, generator=g), torch.randint(V, shape, generator=g)
-
-
-def _resnet_batch(model: ResNet, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = model.example_input_array.shape  # (B, 3, H, W)
-    return torch.randn(shape, generator=g), torch.randint(model.hparams.num_classes, shape[:1], generator=g)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One example model: its plain and hand-checkpointed classes, what to wrap, two sizes."""
-
-    plain: type[nn.Module]
-    hand: type[nn.Module]
-    layers: str  # the class apply_checkpointing wraps and the hand-written forward checkpoints
-    batch: Callable[[Any, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
-    quick: dict[str, Any]  # constructor overrides for --quick; the default size is the class's own
-
-
-MODELS: dict[str, ModelSpec] = {
-    "gpt": ModelSpec(
-        GPT, HandGPT, "TransformerBlock", _gpt_batch,
-        quick=dict(n_layer=4, n_embd=64, n_head=4, block_size=64, batch_size=4),
-    ),
-    "resnet": ModelSpec(
-        ResNet, HandResNet, "Bottleneck", _resnet_batch,
-        quick=dict(channels=16, image_size=16, batch_size=8),
-    ),
-}
-
-
-@dataclass
-class Run:
-    """One mode of one model: a fresh model, its batch and what was wrapped."""
-
-    model: nn.Module
-    batch: tuple[torch.Tensor, torch.Tensor]
-    wrapped: int
-
-    def step(self) -> None:
-        self.model.loss(self.batch).backward()
-        self.model.zero_grad(set_to_none=True)
-
-
-def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0) -> Run:
-    torch.manual_seed(seed)  # the same weights in every mode
-    keys = MODES[mode]
-    model = (spec.hand if keys is None else spec.plain)(**(spec.quick if quick else {}))
-    model.train()
-    batch = spec.batch(model, torch.Generator().manual_seed(seed + 1))
-    if keys is None:
-        wrapped = sum(type(m).__name__ == spec.layers for m in model.modules())
-    else:
-        wrapped = len(apply_checkpointing(model, layers=spec.layers, **keys))
-    return Run(model, batch, wrapped)
-
 
 def _is_auto(mode: str) -> bool:
     keys = MODES[mode]

@@ -78,8 +78,8 @@ from ckpt_plugin.config.plan import apply_checkpointing
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, Offloading
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.lightning.callback import ActivationCheckpointing
-from ckpt_tools.bench import MODELS
-from ckpt_tools.bench import MODES as BENCH_MODES
+from ckpt_tools.workloads import MODELS
+from ckpt_tools.workloads import MODES as BENCH_MODES
 
 __all__ = ["MODES", "SIZES", "Snapshot", "main"]
 
