@@ -102,6 +102,14 @@ def _check_bool(key: str, value: Any) -> list[Problem]:
     return [Problem(f"ckpt.{key}", f"ckpt.{key}={value!r} ({type(value).__name__}) must be true or false")]
 
 
+def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Problem]:
+    """What full and selective check alike: the layers, preserve_rng_state, segments, offload."""
+    from ckpt_plugin.engine.sequential import segment_problems  # imports torch: only when validating
+
+    problems = config._problems() + _check_bool("preserve_rng_state", config.preserve_rng_state)
+    return problems + segment_problems(config.segments) + _check_bool("offload", config.offload)
+
+
 @dataclass(kw_only=True)
 class FullConfig(LayerSelection):
     """``ckpt=full``: non-reentrant ``torch.utils.checkpoint`` around each selected module."""
@@ -119,11 +127,7 @@ class FullConfig(LayerSelection):
     deepspeed: Any = None
 
     def __post_init__(self) -> None:
-        from ckpt_plugin.engine.sequential import segment_problems
-
-        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
-        problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
-        raise_problems(problems + self._deepspeed_problems())
+        raise_problems(_checkpointing_problems(self) + self._deepspeed_problems())
 
     def _deepspeed_problems(self) -> list[Problem]:
         try:
@@ -163,10 +167,8 @@ class SelectiveConfig(LayerSelection):
 
     def __post_init__(self) -> None:
         from ckpt_plugin.engine.policies import make_policy
-        from ckpt_plugin.engine.sequential import segment_problems
 
-        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
-        problems += segment_problems(self.segments) + _check_bool("offload", self.offload)
+        problems = _checkpointing_problems(self)
         try:
             make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
         except ConfigError as err:
