@@ -28,10 +28,32 @@ from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves  # pytree: private module, stable API
 
 
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` (private: ``torch._subclasses``) in which real tensors may take part.
+
+    Inside it ops make fake tensors: shapes, dtypes, devices and storage sizes
+    are the real ones, nothing is allocated and no kernel runs. Real
+    parameters, buffers and inputs are converted on use, so a model and its
+    sample batch run as they are.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: Any) -> bool:
+    """A fake tensor (made under :func:`fake_tensor_mode`), whose data cannot be read."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(t, torch.Tensor) and _is_fake(t)
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage, shared by views (``untyped_storage`` is public)."""
     try:
         st = t.untyped_storage()
+        if is_fake(t):  # no data pointer; torch keeps one Python object per live storage
+            return (str(t.device), id(st))
         ptr = st.data_ptr()
     except (NotImplementedError, RuntimeError):  # wrapper subclasses (FSDP2's DTensor parameters) have none
         return (str(t.device), id(t))
@@ -298,3 +320,45 @@ def mode_stack_depth() -> int:
     Private counters (``torch._C._len_torch_dispatch_stack``, ``_len_torch_function_stack``), no public ones.
     """
     return torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()
+
+
+# -- for timing a layer on fresh leaves made from its real inputs (planning/timing.py) --
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """``tree`` (nested tuples, lists, dicts) with every leaf replaced by ``fn(leaf)``.
+
+    ``torch.utils._pytree.tree_map``: a private module with a stable API, as ``tree_leaves``.
+    """
+    from torch.utils._pytree import tree_map as _tree_map
+
+    return _tree_map(fn, tree)
+
+
+# -- for torch's own memory-budget checkpointing under compile (ckpt_tools/compiled.py) --
+
+def activation_memory_budget(budget: float) -> Any:
+    """Context manager: ``torch._functorch.config.activation_memory_budget = budget`` while in force.
+
+    AOTAutograd's min-cut partitioner reads it when it partitions a compiled
+    graph (the first run of a frame, or a recompile), not when the graph runs:
+    ``1.0`` (torch's default) saves what is fastest, ``0.0`` recomputes all it
+    can, ``0.5`` aims at half of what ``1.0`` keeps beyond the graph's inputs,
+    at the fewest recomputed FLOPs. Private config module, no public setter; torch 2.13
+    also has ``torch.autograd.graph.region_activation_memory_budget`` (prototype),
+    which annotates a traced region instead.
+    """
+    from torch._functorch import config  # private
+
+    return config.patch(activation_memory_budget=budget)
+
+
+def compiler_backend(name: str) -> Any:
+    """The ``torch.compile`` backend registered as ``name`` (``"inductor"``, ``"aot_eager"``), as a callable.
+
+    ``torch.compile(backend=name)`` looks it up itself; we need the callable to
+    wrap it in a backend object of our own (dynamo keeps one compiled frame per
+    backend, see ``ckpt_tools/compiled.py``). Lookup is ``torch._dynamo``'s (private).
+    """
+    from torch._dynamo.backends.registry import lookup_backend  # private
+
+    return lookup_backend(name)

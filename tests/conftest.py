@@ -63,9 +63,21 @@ def resnet_batch(model: ResNet, batch: int = 4, seed: int = 1, dtype=torch.float
     return torch.randn(batch, 3, s, s, generator=g).to(dtype), torch.randint(10, (batch,), generator=g)
 
 
-def run_recipe(*overrides: str, tmp_path: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``recipes/train.py`` as a user would, in a subprocess; output dir under ``tmp_path``."""
-    cmd = [sys.executable, str(RECIPE), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+# Runs the recipe as its own __main__ and prints the process's peak resident memory as it exits.
+_PRINT_PEAK = (
+    "import atexit, resource, runpy, sys; "
+    "atexit.register(lambda: print('max_rss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def run_recipe(*overrides: str, tmp_path: Path, check: bool = True, peak: bool = False) -> subprocess.CompletedProcess:
+    """Run ``recipes/train.py`` as a user would, in a subprocess; output dir under ``tmp_path``.
+
+    ``peak=True``: the last line of stdout is ``max_rss_kib N``, the process's peak resident memory.
+    """
+    prelude = ["-c", _PRINT_PEAK] if peak else []
+    cmd = [sys.executable, *prelude, str(RECIPE), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     if check and proc.returncode != 0:

@@ -23,6 +23,7 @@ from ckpt_plugin.config.plan import plan_for
 from ckpt_plugin.config.schema import NoneConfig, as_keys, make_config
 from ckpt_plugin.engine.wrap import install, policy_of, remove_checkpointing
 from ckpt_plugin.lightning.strategies import prepare
+from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import WrapReport, wrap_report
 from ckpt_plugin.measure.sample import call_args
@@ -69,8 +70,13 @@ class ActivationCheckpointing(pl.Callback):
                 f"{type(pl_module).__name__} to see the activation memory this saves.)"
             )
             return
-        self.report = wrap_report(pl_module, self.wrapped, forward)
-        rank_zero_info(str(self.report))
+        try:
+            self.report = wrap_report(pl_module, self.wrapped, forward)
+        except NotFakeable as err:  # counted on fake tensors or not at all: never on real ones
+            rank_zero_info(f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
+                           f"{', '.join(self.wrapped)}. Their saved bytes are not reported: {err}")
+        else:
+            rank_zero_info(str(self.report))
         self._check_names()
 
     @staticmethod

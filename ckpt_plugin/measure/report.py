@@ -8,7 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes, side_effect_free
+from ckpt_plugin.measure.fake import on_fake_tensors
+from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 
 
@@ -45,14 +46,17 @@ class WrapReport:
 def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]) -> WrapReport:
     """Measure ``forward()`` (one forward of the wrapped ``model``) without and with checkpointing.
 
-    Runs the forward twice without side effects on RNG or buffers; nothing
-    here trains.
+    Runs the forward twice on fake tensors (``fake.py``): the bytes are the
+    real ones, counted without allocating them, so the report never needs the
+    memory of the forward without checkpointing that it reports. No side
+    effect on RNG, buffers or gradients; nothing here trains. Raises
+    :class:`~ckpt_plugin.measure.fake.NotFakeable` if the forward cannot run
+    on fake tensors.
     """
     modules = dict(model.named_modules())
-    with side_effect_free(model):
-        with checkpointing_disabled(model):
-            without = saved_bytes(model, forward, wrapped)
-    with side_effect_free(model):
+    with on_fake_tensors(model, "The activation report"), checkpointing_disabled(model):
+        without = saved_bytes(model, forward, wrapped)
+    with on_fake_tensors(model, "The activation report"):
         with_ckpt = saved_bytes(model, forward, wrapped)
     return WrapReport(
         model=type(model).__name__,

@@ -37,6 +37,7 @@ tests check it bounds MemTracker's act peak on the GPT and the ResNet.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin._compat import TorchDispatchMode, tree_leaves
 from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
+from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
 from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.engine.policies import make_policy
@@ -71,13 +73,17 @@ class _Recorder(TorchDispatchMode):
     every op, labelled with the layer running (or REST). Counts storages the way
     MemTracker's ``act`` does: made by ops outside backward, or by recomputation."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fake: Any = None) -> None:
         super().__init__()
         self.events: list[tuple] = []
         self.sizes: dict[int, int] = {}  # uid -> bytes
         self.seen: dict[int, tuple[int | None, Any]] = {}  # id(storage) -> (uid or None, weakref)
-        self.external = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
-        self.external |= {id(p.grad.untyped_storage()) for p in model.parameters() if p.grad is not None}
+        state = [*model.parameters(), *model.buffers()]
+        state += [p.grad for p in model.parameters() if p.grad is not None]
+        if fake is not None:  # on fake tensors ops see the mode's (memoised) fake copy of each
+            state += [fake.from_tensor(t) for t in state]
+        self.state = state  # held: a storage id is only unique while its storage lives
+        self.external = {id(t.untyped_storage()) for t in state}
         self.stack: list[str] = []
         self.counting = True
         self.flops: dict[str, int] = defaultdict(int)
@@ -203,7 +209,8 @@ class _Recorder(TorchDispatchMode):
         return dict(kept_by), dict(transient), peak
 
 
-def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str, *, flops: bool) -> _Recorder:
+def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str, *, flops: bool,
+          fake: Any = None) -> _Recorder:
     """One training step with every candidate under ``option``, recorded; the model is left as it was.
 
     Memory (``flops=False``) and FLOPs (``flops=True``) come from separate steps:
@@ -212,7 +219,7 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
     """
     modules = dict(model.named_modules())
     how = treatment(option) or Treatment(checkpointing=False)
-    recorder = _Recorder(model)
+    recorder = _Recorder(model, fake)
     mode = FlopCounterMode(display=False) if flops else recorder
     recorder.counter = mode if flops else None
     previous = {name: modules[name].__dict__.get("forward") for name in names}
@@ -224,7 +231,7 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
             # outside it (checkpoint saves the layer's inputs before calling the inner forward).
             module.__dict__["forward"] = recorder.window(name, module.forward)
             module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how, name))
-        with side_effect_free(model), mode, torch.enable_grad():
+        with side_effect_free(model), fake or contextlib.nullcontext(), mode, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.keep, lambda t: t):
                 outputs = [t for t in tree_leaves(forward()) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if not outputs:
@@ -260,20 +267,24 @@ def _check_names(model: nn.Module, names: list[str]) -> None:
                          "the candidate layers must not contain one another")
 
 
-def profile(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> Profile:
-    """Measure every option of every candidate layer (qualified names) on real steps.
+def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True) -> Profile:
+    """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Five
     steps in all, each with every candidate wrapped one way: three record memory
     (keep, selective, full), two count recompute FLOPs (selective, full). They
-    leave no trace: RNG streams, buffers, gradients and wrapping are restored.
+    run on fake tensors (``measure/fake.py``): bytes and FLOPs are the real
+    ones and no activation is allocated, whatever the batch; ``fake=False``
+    runs them on real tensors (for tests that compare the two). They leave no
+    trace: RNG streams, buffers, gradients and wrapping are restored.
     """
     names = list(dict.fromkeys(names))
     _check_names(model, names)
-    with checkpointing_disabled(model):
-        recorders = {option: _step(model, names, forward, option, flops=False) for option in OPTIONS}
+    with checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
+        mode = mode if fake else None
+        recorders = {option: _step(model, names, forward, option, flops=False, fake=mode) for option in OPTIONS}
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
-        flops = {option: _step(model, names, forward, option, flops=True).flops if option != "keep" else {}
+        flops = {option: _step(model, names, forward, option, flops=True, fake=mode).flops if option != "keep" else {}
                  for option in OPTIONS}
     layers = [
         LayerProfile(name, {

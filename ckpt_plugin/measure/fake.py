@@ -1,0 +1,83 @@
+"""Measuring without allocating: the plugin's own measurements run on fake tensors.
+
+The plugin exists because the step without checkpointing does not fit; what
+it measures for itself (the fit-start report, ``ckpt=auto``'s profile,
+``ckpt-inspect``) must therefore never run that step on real tensors. Bytes
+and FLOPs depend only on shapes, dtypes and devices, which fake tensors carry
+exactly: inside :func:`on_fake_tensors` every op makes a fake tensor whose
+storage has the real size, nothing is allocated and no kernel runs, so the
+counts equal a real run's (``tests/test_fake.py`` compares them on the GPT,
+the ResNet and Hugging Face models) for a few hundred KiB of Python objects,
+whatever the batch (``shared/notes/fake-tensors.md``).
+
+The model runs as it is: its real parameters, buffers and sample batch are
+converted on use. Buffers a forward updates in place (BatchNorm's running
+statistics) and the RNG are restored afterwards; gradients that a measured
+backward would leave on the parameters (fake ones) are put back as they were.
+
+What cannot run on fake tensors (a forward that reads a value with
+``.item()`` or branches on data) raises :class:`NotFakeable`, naming the
+model and the cause, so that the caller can say what it skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from ckpt_plugin._compat import fake_tensor_mode
+from ckpt_plugin.measure.memory import side_effect_free
+
+
+class NotFakeable(RuntimeError):
+    """The model's forward cannot run on fake tensors (it reads values, not only shapes)."""
+
+
+@contextlib.contextmanager
+def fake_measurement(model: nn.Module, what: str) -> Iterator[Any]:
+    """A fake-tensor mode for measuring ``model``, not entered: the caller enters it where it needs.
+
+    On exit the parameters' ``.grad`` are as they were (a measured backward
+    leaves fake ones), and an error that fake tensors caused becomes
+    :class:`NotFakeable`; ``what`` (``"ckpt=auto's profile"``) says in it what
+    was being measured. Buffers and RNG are the caller's: see :func:`on_fake_tensors`.
+    """
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        yield fake_tensor_mode()
+    except (NotImplementedError, RuntimeError) as err:
+        if isinstance(err, NotFakeable) or not _from_fake_tensors(err):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise NotFakeable(
+            f"{what} runs {type(model).__name__} on fake tensors (shapes only, no memory) and its forward "
+            f"cannot run on them: {type(err).__name__}: {first}"
+        ) from err
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+
+
+@contextlib.contextmanager
+def on_fake_tensors(model: nn.Module, what: str) -> Iterator[None]:
+    """Run ``model`` inside on fake tensors, leaving no trace on it (buffers, RNG, ``.grad``)."""
+    with fake_measurement(model, what) as mode, side_effect_free(model), mode:
+        yield
+
+
+def _from_fake_tensors(err: BaseException) -> bool:
+    """Raised because the tensors were fake (a data-dependent op, an op without a fake kernel)."""
+    return any(type(e).__module__.startswith("torch._subclasses") or "FakeTensor" in str(e)
+               for e in _chain(err))
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+__all__ = ["NotFakeable", "fake_measurement", "on_fake_tensors"]
