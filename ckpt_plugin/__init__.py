@@ -37,6 +37,7 @@ _WHERE = {
     "checkpoint_name": "ckpt_plugin.engine.policies",
     "make_policy": "ckpt_plugin.engine.policies",
     "RecomputationMismatch": "ckpt_plugin.engine.recompute_check",
+    "checking_recomputation": "ckpt_plugin.engine.recompute_check",
     "checking_recomputed_values": "ckpt_plugin.engine.recompute_check",
     "checkpoint_scan": "ckpt_plugin.engine.scan",
     "checkpoint_sequential": "ckpt_plugin.engine.sequential",
@@ -67,7 +68,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from ckpt_plugin.engine.functional import checkpoint
     from ckpt_plugin.engine.offload import offloading
     from ckpt_plugin.engine.policies import checkpoint_name, make_policy
-    from ckpt_plugin.engine.recompute_check import RecomputationMismatch, checking_recomputed_values
+    from ckpt_plugin.engine.recompute_check import (
+        RecomputationMismatch,
+        checking_recomputation,
+        checking_recomputed_values,
+    )
     from ckpt_plugin.engine.scan import checkpoint_scan
     from ckpt_plugin.engine.sequential import checkpoint_sequential
     from ckpt_plugin.engine.wrap import remove_checkpointing, wrapped_modules

@@ -48,6 +48,12 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and _is_fake(t)
 
 
+def raised_by_fake_tensors(err: BaseException) -> bool:
+    """``err`` comes from fake tensors (``torch._subclasses``: a data-dependent op such as
+    ``.item()``, an op without a fake kernel, devices that fake propagation cannot reconcile)."""
+    return type(err).__module__.startswith("torch._subclasses") or "FakeTensor" in str(err)
+
+
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage, shared by views (``untyped_storage`` is public)."""
     try:

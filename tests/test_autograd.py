@@ -8,7 +8,10 @@ without the plugin (same weights, data and dropout masks) and asserts bitwise
 equality, and counts calls of each wrapped block's first child to show the
 recomputation really ran.
 
-Then the determinism check (``ckpt_plugin/recompute_check.py``): a wrapped
+Then the determinism check (``ckpt_plugin/recompute_check.py``). By default a
+wrapped call is torch's plain checkpoint, nothing of ours per saved tensor, and
+torch's own check raises its ``CheckpointError``. Inside
+``checking_recomputation()`` or with ``ckpt.check_recompute=true``, a wrapped
 module whose recomputation saves tensors of another shape, or fewer or more
 tensors, is reported with its qualified name and class; one that only changes
 values gives a wrong gradient silently (as with torch's own check), unless the
@@ -23,10 +26,16 @@ import pytest
 import torch
 from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch import nn
-from torch.utils.checkpoint import CheckpointError, set_checkpoint_early_stop
+from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_early_stop
 
-from ckpt_plugin import apply_checkpointing
-from ckpt_plugin.engine.recompute_check import RecomputationMismatch, checking_recomputed_values
+from ckpt_plugin import apply_checkpointing, make_config
+from ckpt_plugin._compat import saved_tensors_hooks_depth
+from ckpt_plugin.config.plan import treatment_of
+from ckpt_plugin.engine.recompute_check import (
+    RecomputationMismatch,
+    checking_recomputation,
+    checking_recomputed_values,
+)
 
 MODELS = {"gpt": "TransformerBlock", "resnet": "Bottleneck"}
 MODES = {
@@ -204,11 +213,12 @@ class Net(nn.Module):
         return self.body(self.pre(x))
 
 
-def flaky_step(change: str, wrap: bool = True) -> list[torch.Tensor]:
+def flaky_step(change: str, wrap: bool = True, **keys: object) -> list[torch.Tensor]:
+    """One step of ``Net(change)``, its ``Flaky`` wrapped with the ckpt ``keys`` unless ``wrap`` is false."""
     torch.manual_seed(0)
     net = Net(change)
     if wrap:
-        assert apply_checkpointing(net, layers="Flaky") == ["body.1"]
+        assert apply_checkpointing(net, layers="Flaky", **keys) == ["body.1"]
     net(torch.randn(3, 8)).sum().backward()
     return [p.grad for p in net.parameters()]
 
@@ -225,25 +235,103 @@ def raises_exactly(message: str):
     return pytest.raises(RecomputationMismatch, match=f"^{re.escape(message)}$")
 
 
+SHAPE_MISMATCH = (
+    "body.1 (Flaky) computed something else when recomputed for backward: tensor 4 of the 4 it saved "
+    "for backward (output of Tanh) was float32[3, 8] on cpu in the forward and float32[3, 4] on cpu "
+    f"in the recomputation. {ADVICE}"
+)
+
+
+def hook_depths(wrap: str, **keys: object) -> list[int]:
+    """Saved-tensor hooks in force when ``Flaky``'s first op runs, in the forward and in the recomputation.
+
+    ``wrap``: ``"hand"`` for a hand-written ``checkpoint(flaky, x, use_reentrant=False)``,
+    ``"plugin"`` for ``apply_checkpointing`` with ``keys``.
+    """
+    torch.manual_seed(0)
+    flaky = Flaky("none")
+    depths: list[int] = []
+    flaky.lin.register_forward_pre_hook(lambda *_: depths.append(saved_tensors_hooks_depth()))
+    x = torch.randn(3, 8, requires_grad=True)
+    if wrap == "hand":
+        out = checkpoint(flaky, x, use_reentrant=False)
+    else:
+        assert apply_checkpointing(nn.Sequential(flaky), layers="Flaky", **keys) == ["0"]
+        out = flaky(x)
+    out.sum().backward()
+    return depths
+
+
+def test_by_default_a_wrapped_call_is_a_hand_written_checkpoint() -> None:
+    """Nothing of ours runs per saved tensor by default: torch's hook is the only one, as by hand
+    (issue #12: the per-tensor check was most of the plugin's overhead); checked, ours is under it."""
+    assert hook_depths("hand") == [1, 1]  # torch's pack hook in the forward, its recomputation hook
+    assert hook_depths("plugin") == [1, 1]
+    assert hook_depths("plugin", check_recompute=True) == [2, 2]
+    with checking_recomputation():
+        assert hook_depths("plugin") == [2, 2]
+
+
+def test_by_default_torchs_own_check_still_raises() -> None:
+    """torch's ``determinism_check="default"`` stays on: a shape change or fewer tensors is its
+    CheckpointError (without the module's name), never a silently wrong gradient."""
+    with pytest.raises(CheckpointError, match="Recomputed values for the following tensors have different "
+                       "metadata than during the forward pass") as info:
+        flaky_step("shape")
+    assert not isinstance(info.value, RecomputationMismatch)
+    with pytest.raises(CheckpointError, match="A different number of tensors was saved during the original "
+                       "forward and recomputation") as info:
+        flaky_step("fewer")
+    assert not isinstance(info.value, RecomputationMismatch)
+
+
 def test_shape_change_names_the_module_and_the_tensor() -> None:
     # Saved, in order: lin's input, lin's weight (transposed), tanh's output, sin's input (tanh's
     # output again in the forward, a slice of it in the recomputation).
-    with raises_exactly(
-        "body.1 (Flaky) computed something else when recomputed for backward: tensor 4 of the 4 it saved "
-        "for backward (output of Tanh) was float32[3, 8] on cpu in the forward and float32[3, 4] on cpu "
-        f"in the recomputation. {ADVICE}"
-    ):
+    with checking_recomputation(), raises_exactly(SHAPE_MISMATCH):
         flaky_step("shape")
+
+
+def test_check_recompute_key_names_the_module() -> None:
+    """``ckpt.check_recompute=true`` checks every call, no context manager needed."""
+    assert make_config(layers="Flaky", check_recompute=True).check_recompute is True
+    assert treatment_of(make_config(layers="Flaky", mode="selective", check_recompute=True)).check_recompute
+    assert not treatment_of(make_config(layers="Flaky")).check_recompute  # off by default
+    with raises_exactly(SHAPE_MISMATCH):
+        flaky_step("shape", check_recompute=True)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"check_recompute": "yes"}, "ckpt.check_recompute='yes' (str) must be true or false"),
+    ({"check_recompute": True, "segments": 2},
+     "ckpt.check_recompute=true cannot be combined with ckpt.segments=2: it names the one module a checkpoint "
+     "wraps, and a segment wraps several (torch's own check still runs); drop one of the two"),
+    ({"check_recompute": True, "deepspeed": {}},
+     "ckpt.check_recompute=true cannot be combined with ckpt.deepspeed (DeepSpeed's own checkpoint): "
+     "DeepSpeed's (reentrant) checkpoint has no place for the check"),
+])
+def test_check_recompute_key_is_validated(keys: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make_config(layers="Flaky", **keys)
+
+
+def test_checking_is_scoped_to_the_forward_run_inside() -> None:
+    """Read when a wrapped call starts: a forward outside the context manager is torch's plain checkpoint."""
+    with checking_recomputation():
+        pass
+    with pytest.raises(CheckpointError) as info:
+        flaky_step("shape")
+    assert not isinstance(info.value, RecomputationMismatch)
 
 
 def test_the_mismatch_is_a_checkpoint_error() -> None:
     """Code that catches torch's CheckpointError still catches ours."""
-    with pytest.raises(CheckpointError):
+    with checking_recomputation(), pytest.raises(CheckpointError):
         flaky_step("shape")
 
 
 def test_fewer_saved_tensors_names_the_module() -> None:
-    with raises_exactly(
+    with checking_recomputation(), raises_exactly(
         "body.1 (Flaky) computed something else when recomputed for backward: its forward saved 4 tensors "
         f"for backward and its recomputation only 3. {ADVICE}"
     ):
@@ -253,17 +341,18 @@ def test_fewer_saved_tensors_names_the_module() -> None:
 def test_more_saved_tensors_names_the_module() -> None:
     # torch stops a recomputation once it has as many tensors as the forward (early stop),
     # so "more" shows only with early stop off.
-    with set_checkpoint_early_stop(False), raises_exactly(
+    with checking_recomputation(), set_checkpoint_early_stop(False), raises_exactly(
         "body.1 (Flaky) computed something else when recomputed for backward: its recomputation saved "
         f"more tensors for backward than the 4 its forward saved. {ADVICE}"
     ):
         flaky_step("more")
 
 
-def test_value_change_is_silent_by_default_like_torch() -> None:
-    """Only shape, dtype and device are checked by default: the gradient is wrong, with no error."""
+@pytest.mark.parametrize("check", [False, True])
+def test_value_change_is_silent_by_default_like_torch(check: bool) -> None:
+    """Only shape, dtype and device are checked, by torch or by name: the gradient is wrong, with no error."""
     expected = flaky_step("none", wrap=False)
-    wrong = flaky_step("values")
+    wrong = flaky_step("values", check_recompute=check)
     assert not all(torch.equal(a, b) for a, b in zip(expected, wrong, strict=True))
 
 
@@ -288,19 +377,20 @@ def test_checking_values_catches_dropout_without_rng_replay() -> None:
         loss.backward()
 
 
+@pytest.mark.parametrize("checking", [checking_recomputation, checking_recomputed_values])
 @pytest.mark.parametrize(("kind", "mode"), CASES)
-def test_checking_values_passes_a_faithful_recomputation(plain_runs: dict, kind: str, mode: str) -> None:
+def test_checking_passes_a_faithful_recomputation(plain_runs: dict, kind: str, mode: str, checking) -> None:
     """No false alarm (dropout on, RNG replayed, BatchNorm), and the gradients stay bitwise equal."""
 
     def grads(mode, check):
         model, batch, _ = build(kind, mode)
         torch.manual_seed(5)
-        with checking_recomputed_values() if check else torch.enable_grad():
+        with checking() if check else torch.enable_grad():
             loss = model.loss(batch)
         loss.backward()
         return [p.grad for p in model.parameters()]
 
-    reference = plain(plain_runs, test_checking_values_passes_a_faithful_recomputation, kind, lambda _: grads(None, False))
+    reference = plain(plain_runs, test_checking_passes_a_faithful_recomputation, kind, lambda _: grads(None, False))
     assert_bitwise(reference, grads(mode, True))
 
 
@@ -310,6 +400,6 @@ def test_torchs_debug_mode_takes_over_the_check() -> None:
     from torch.utils.checkpoint import set_checkpoint_debug_enabled
 
     with set_checkpoint_debug_enabled(True), pytest.raises(CheckpointError) as info:
-        flaky_step("shape")
+        flaky_step("shape", check_recompute=True)
     assert not isinstance(info.value, RecomputationMismatch)
     assert "Operations executed during recomputation" in str(info.value)

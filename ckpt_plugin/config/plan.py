@@ -49,6 +49,7 @@ def treatment_of(config: CkptConfig) -> Treatment:
         policy=policy,
         offload=config.offload,
         checkpoint_fn=deepspeed_checkpoint.checkpointed_call if deepspeed is not None else None,
+        check_recompute=config.check_recompute,
     )
 
 

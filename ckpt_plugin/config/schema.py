@@ -103,10 +103,18 @@ def _check_bool(key: str, value: Any) -> list[Problem]:
 
 
 def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Problem]:
-    """What full and selective check alike: the layers, preserve_rng_state, segments, offload."""
+    """What full and selective check alike: the layers, preserve_rng_state, check_recompute, segments, offload."""
     from ckpt_plugin.engine.sequential import segment_problems  # imports torch: only when validating
 
     problems = config._problems() + _check_bool("preserve_rng_state", config.preserve_rng_state)
+    problems += _check_bool("check_recompute", config.check_recompute)
+    if config.check_recompute is True and config.segments is not None:
+        problems.append(Problem(
+            "ckpt.check_recompute",
+            f"ckpt.check_recompute=true cannot be combined with ckpt.segments={config.segments}: it names the "
+            "one module a checkpoint wraps, and a segment wraps several (torch's own check still runs)",
+            "drop one of the two",
+        ))
     return problems + segment_problems(config.segments) + _check_bool("offload", config.offload)
 
 
@@ -117,6 +125,9 @@ class FullConfig(LayerSelection):
     mode: str = "full"
     # Replay the forward's RNG state on recompute so dropout masks match (torch's default).
     preserve_rng_state: bool = True
+    # Name the module whose recomputation saves tensors of another shape, dtype or device than its
+    # forward (RecomputationMismatch). Off: torch checks the same, unnamed, without a hook per saved tensor.
+    check_recompute: bool = False
     # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain.
     segments: Any = None
     # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
@@ -147,6 +158,9 @@ class FullConfig(LayerSelection):
         if self.preserve_rng_state is False:
             problems.append(Problem("ckpt.preserve_rng_state", f"ckpt.preserve_rng_state=false cannot be combined "
                                     f"{with_ds}: DeepSpeed's checkpoint always replays the RNG state"))
+        if self.check_recompute is True:
+            problems.append(Problem("ckpt.check_recompute", f"ckpt.check_recompute=true cannot be combined "
+                                    f"{with_ds}: DeepSpeed's (reentrant) checkpoint has no place for the check"))
         return problems
 
 
@@ -162,6 +176,7 @@ class SelectiveConfig(LayerSelection):
     # ... or every named tensor except these.
     exclude_names: Any = None
     preserve_rng_state: bool = True
+    check_recompute: bool = False
     segments: Any = None
     offload: bool = False
 
@@ -219,6 +234,7 @@ class NoneConfig:
     layers: Any = None
     every_n: Any = 1
     preserve_rng_state: Any = True
+    check_recompute: Any = False
     segments: Any = None
     offload: Any = False
     policy: Any = None

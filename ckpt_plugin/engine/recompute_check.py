@@ -8,26 +8,33 @@ but in its unpack hook, deep inside backward, so its ``CheckpointError`` says
 neither which module nor which tensor ("Recomputed values for the following
 tensors have different metadata ...").
 
-We make the same check one level closer. Saved-tensor hooks pushed inside each
-wrapped call (under checkpoint's own, to which they hand every tensor on)
-record the shape, dtype and device of what the forward saves and compare the
-recomputation with it tensor by tensor as it goes. A mismatch raises
-:class:`RecomputationMismatch` (a ``CheckpointError``) naming the module's
-qualified name and class, the tensor and both shapes, before torch's own check
-could run. A recomputation that saves fewer or more tensors is reported the
-same way.
+By default that check of torch's is all there is: a wrapped call is plain
+``checkpoint(fn, *args, use_reentrant=False)`` and nothing of ours runs per
+saved tensor (issue #12: the per-tensor check below cost most of the plugin's
+overhead over a hand-written checkpoint). torch raises its error after the
+recomputation has returned, outside anything a wrapped call runs, so there is
+no cheap place to add the module's name to it; the opt-in below names it.
 
-Values are not checked by default, as in torch: a recomputation that draws
-other random numbers (``preserve_rng_state=false`` with dropout), reads a flag
-flipped between forward and backward, or runs a nondeterministic kernel gives
-a different gradient with no error. Run the forward inside
+Inside :func:`checking_recomputation` (or with ``ckpt.check_recompute=true``)
+each wrapped call pushes saved-tensor hooks (under checkpoint's own, to which
+they hand every tensor on) that record the shape, dtype and device of what the
+forward saves and compare the recomputation with it tensor by tensor as it
+goes. A mismatch raises :class:`RecomputationMismatch` (a ``CheckpointError``)
+naming the module's qualified name and class, the tensor and both shapes,
+before torch's own check could run. A recomputation that saves fewer or more
+tensors is reported the same way.
+
+Values are not checked, as in torch: a recomputation that draws other random
+numbers (``preserve_rng_state=false`` with dropout), reads a flag flipped
+between forward and backward, or runs a nondeterministic kernel gives a
+different gradient with no error. Run the forward inside
 :func:`checking_recomputed_values` to compare values too, exactly (NaN equal
-to NaN): every wrapped call then keeps a copy of each tensor it saves for as
-long as its graph lives, more memory than no checkpointing at all. It is a
-debugging tool, like ``torch.autograd.detect_anomaly``. BatchNorm's running
-statistics, which batch_norm saves, the recomputation updates and
-``norms.py`` then restores, are not compared (backward in training mode does
-not read them).
+to NaN), and the metadata with them: every wrapped call then keeps a copy of
+each tensor it saves for as long as its graph lives, more memory than no
+checkpointing at all. Both are debugging tools, like
+``torch.autograd.detect_anomaly``. BatchNorm's running statistics, which
+batch_norm saves, the recomputation updates and ``norms.py`` then restores,
+are not compared (backward in training mode does not read them).
 
 Under ``torch.compile`` nothing here runs: the partitioner recomputes from the
 one traced graph, so there is no second Python run that could differ
@@ -48,10 +55,11 @@ from torch.utils.checkpoint import CheckpointError
 
 from ckpt_plugin._compat import outer_saved_tensors_hooks, storage_key
 
-__all__ = ["RecomputationMismatch", "checking_recomputed_values"]
+__all__ = ["RecomputationMismatch", "checking_recomputation", "checking_recomputed_values", "recomputation_checked"]
 
 # Scoped like grad mode: set on entry, reset by token on exit, per thread and per async
-# context. It is read when a wrapped call's forward starts, so it must span the forward.
+# context. They are read when a wrapped call's forward starts, so they must span the forward.
+_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_plugin_check_recompute", default=False)
 _CHECK_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_plugin_check_values", default=False)
 
 _ADVICE = (
@@ -67,21 +75,50 @@ class RecomputationMismatch(CheckpointError):
 
 
 @contextlib.contextmanager
+def checking_recomputation() -> Iterator[None]:
+    """Check, naming the module, that every wrapped module's recomputation saves what its forward saved.
+
+    >>> with checking_recomputation():
+    ...     loss = model.loss(batch)
+    >>> loss.backward()     # RecomputationMismatch naming the module if a shape, dtype or device differs
+
+    What torch checks anyway, but with the module's name in the error; it costs
+    a Python hook per saved tensor (``ckpt.check_recompute=true`` does the same
+    for every step). Values are not compared: :func:`checking_recomputed_values`.
+    """
+    token = _CHECK.set(True)
+    try:
+        yield
+    finally:
+        _CHECK.reset(token)
+
+
+@contextlib.contextmanager
 def checking_recomputed_values() -> Iterator[None]:
-    """Also compare the values every wrapped module saves, exactly, for the forward run inside.
+    """Compare the values every wrapped module saves too, exactly, for the forward run inside.
 
     >>> with checking_recomputed_values():
     ...     loss = model.loss(batch)
     >>> loss.backward()     # RecomputationMismatch if a recomputation saved other values
 
-    Each wrapped call keeps a copy of every tensor it saves for as long as its
-    graph lives: more memory than no checkpointing. For debugging only.
+    Implies :func:`checking_recomputation`. Each wrapped call keeps a copy of
+    every tensor it saves for as long as its graph lives: more memory than no
+    checkpointing. For debugging only.
     """
     token = _CHECK_VALUES.set(True)
     try:
         yield
     finally:
         _CHECK_VALUES.reset(token)
+
+
+def recomputation_checked() -> bool:
+    """Whether a wrapped call starting now is checked (inside either context manager above).
+
+    Never while dynamo traces: compiled, there is no second run to check, and dynamo
+    cannot trace ``ContextVar.get`` (it would break the graph at every wrapped call).
+    """
+    return not torch.compiler.is_compiling() and (_CHECK.get() or _CHECK_VALUES.get())
 
 
 def _meta(t: torch.Tensor) -> tuple:

@@ -1,8 +1,10 @@
 """How a wrapped call runs: checkpointed or not, with which selective policy, offloaded or not.
 
 Eager and compiled calls get different ``context_fn``s. Eager: our own
-selective modes (``policies.py``), the BatchNorm fix (``norms.py``) and the
-recomputation check (``recompute_check.py``). Under ``torch.compile``, dynamo
+selective modes (``policies.py``), the BatchNorm fix (``norms.py``) and, when
+asked for, the named recomputation check (``recompute_check.py``); a call that
+needs none of them gets no ``context_fn`` at all, exactly what a hand-written
+``checkpoint(fn, x, use_reentrant=False)`` runs. Under ``torch.compile``, dynamo
 turns ``checkpoint`` into a higher-order op, AOTAutograd calls ``context_fn``
 while tracing and accepts only torch's own selective-checkpoint modes (it
 asserts "must generate a tuple of two TorchDispatchModes"): recomputation is
@@ -20,7 +22,7 @@ from typing import Any
 from ckpt_plugin.engine.norms import keep_running_stats
 from ckpt_plugin.engine.offload import offloading
 from ckpt_plugin._compat import tracing_for_compile
-from ckpt_plugin.engine.recompute_check import CallRecord
+from ckpt_plugin.engine.recompute_check import CallRecord, recomputation_checked
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,13 @@ class Treatment:
     # Another checkpoint implementation instead of torch's: ``checkpoint_fn(forward, running_stats, *args,
     # **kwargs)`` (engine/deepspeed.py's ``checkpointed_call`` for ckpt.deepspeed). None: torch's.
     checkpoint_fn: Callable[..., Any] | None = None
+    # Check every call's recomputation by name (ckpt.check_recompute), not only inside
+    # recompute_check.checking_recomputation(): a Python hook per saved tensor.
+    check_recompute: bool = False
+
+    def checked(self) -> bool:
+        """Whether a call starting now checks its recomputation, naming the module (read per call)."""
+        return self.check_recompute or recomputation_checked()
 
     def offloading(self) -> contextlib.AbstractContextManager:
         if not self.offload:
@@ -41,8 +50,10 @@ class Treatment:
         return offloading()
 
     def context_fn(self, stats: list, label: str | None = None) -> Callable[[], tuple] | None:
-        """``checkpoint``'s context_fn: eager, the policy's contexts, the BatchNorm fix and, when
-        ``label`` names the module (``"blocks.1 (TransformerBlock)"``), the check that its
+        """``checkpoint``'s context_fn, or None when plain ``checkpoint`` would do the same.
+
+        Eager: the policy's contexts, the BatchNorm fix and, when ``label`` names
+        the module (``"blocks.1 (TransformerBlock)"``), the check that its
         recomputation saves what its forward saved; while torch.compile traces, torch's modes.
 
         The choice is made when checkpoint calls it, not when dynamo traces the wrapped

@@ -22,8 +22,9 @@ The recompute context below snapshots every running-statistics buffer in the
 wrapped subtree and writes it back afterwards, so statistics match a run
 without checkpointing bit for bit.
 
-The recomputation must save what the forward saved; if it does not, the
-error names the module (``recompute_check.py``), which torch's does not.
+The recomputation must save what the forward saved; torch checks it. With
+``ckpt.check_recompute=true`` or inside ``checking_recomputation()`` the error
+also names the module (``recompute_check.py``), at a Python hook per saved tensor.
 
 Under ``torch.compile``: apply, then compile, or compile, then apply. The
 compiled code runs whatever ``forward`` each module has when it is traced,
@@ -54,12 +55,13 @@ class CheckpointedForward:
 
     ``inner`` is the forward the module had before (its class's, or an
     instance-level one somebody else set, which ``remove`` puts back).
-    ``name`` is the module's qualified name, for errors: a recomputation that
-    saves something other than its forward did is reported with it
-    (``recompute_check.py``).
+    ``name`` is the module's qualified name, for errors: when the call is checked,
+    a recomputation that saves something other than its forward did is reported
+    with it (``recompute_check.py``). Unchecked, a module without a selective
+    policy or BatchNorm statistics runs plain ``checkpoint(fn, *args, use_reentrant=False)``.
     """
 
-    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_check_only", "_stats")
+    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_checked_context_fn", "_stats")
 
     def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
@@ -68,8 +70,8 @@ class CheckpointedForward:
         self.name = name
         label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
-        self._context_fn = treatment.context_fn(self._stats, label)
-        self._check_only = treatment.policy is None and not self._stats  # context_fn only checks
+        self._context_fn = treatment.context_fn(self._stats)  # None: nothing of ours runs in the call
+        self._checked_context_fn = treatment.context_fn(self._stats, label)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
@@ -82,10 +84,12 @@ class CheckpointedForward:
             # collide with checkpoint's own keywords (``context_fn``, ...).
             fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
             context_fn = self._context_fn
-            if self._check_only and checkpoint_debug_enabled():
-                # torch's debug mode refuses a context_fn and prints every op of both runs
-                # on a mismatch: it replaces our check rather than fail.
-                context_fn = None
+            if t.checked():  # decided per call, as checking_recomputation() is scoped
+                context_fn = self._checked_context_fn
+                if self._context_fn is None and checkpoint_debug_enabled():
+                    # torch's debug mode refuses a context_fn and prints every op of both runs
+                    # on a mismatch: it replaces our check rather than fail.
+                    context_fn = None
             options = {"context_fn": context_fn} if context_fn else {}
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from ckpt_plugin._compat import fake_tensor_mode
+from ckpt_plugin._compat import fake_tensor_mode, raised_by_fake_tensors
 from ckpt_plugin.measure.memory import side_effect_free
 
 
@@ -70,8 +70,7 @@ def on_fake_tensors(model: nn.Module, what: str) -> Iterator[None]:
 
 def _from_fake_tensors(err: BaseException) -> bool:
     """Raised because the tensors were fake (a data-dependent op, an op without a fake kernel)."""
-    return any(type(e).__module__.startswith("torch._subclasses") or "FakeTensor" in str(e)
-               for e in _chain(err))
+    return any(raised_by_fake_tensors(e) for e in _chain(err))
 
 
 def _chain(err: BaseException | None) -> Iterator[BaseException]:
