@@ -472,3 +472,55 @@ def test_the_check_finds_what_soak_used_before() -> None:
     assert "soak.py:7: torch._C" in problems
     assert any(":4: '_backward_hooks'" in p for p in problems)
     assert any(":5: 'torch.nn.modules.module'" in p for p in problems)
+
+
+def test_tree_map_replaces_each_leaf_and_keeps_the_structure() -> None:
+    a, b = torch.ones(2), torch.zeros(3)
+    mapped = _compat.tree_map(lambda x: x + 1 if isinstance(x, torch.Tensor) else x, ((a, "s"), {"k": [b, None]}))
+    assert mapped[0][1] == "s" and mapped[1]["k"][1] is None
+    assert torch.equal(mapped[0][0], a + 1) and torch.equal(mapped[1]["k"][0], b + 1)
+
+
+# -- torch's own memory-budget checkpointing under compile (ckpt_tools/compiled.py) --
+
+
+def test_activation_memory_budget_sets_the_partitioners_config_and_restores_it() -> None:
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.activation_memory_budget
+    with _compat.activation_memory_budget(0.25):
+        assert functorch_config.activation_memory_budget == 0.25
+    assert functorch_config.activation_memory_budget == before == 1.0
+
+
+def test_compiler_backend_is_what_torch_compile_runs_by_that_name() -> None:
+    calls = []
+    inner = _compat.compiler_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return inner(gm, example_inputs)
+
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend=backend, fullgraph=True)
+    x = torch.randn(4, requires_grad=True)
+    fn(x).backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+def test_fake_tensor_mode_counts_real_sizes_and_takes_real_tensors():
+    real = torch.randn(3, 4)
+    with _compat.fake_tensor_mode():
+        out = real @ torch.ones(4, 5)
+    assert _compat.is_fake(out) and not _compat.is_fake(real) and not _compat.is_fake("tensor")
+    assert out.shape == (3, 5) and out.untyped_storage().nbytes() == 3 * 5 * 4
+    a, b = out.split(2)
+    assert _compat.storage_key(a) == _compat.storage_key(b) != _compat.storage_key(real)
+
+
+def test_raised_by_fake_tensors_tells_a_data_dependent_op_from_other_errors():
+    with pytest.raises(Exception) as info:
+        with _compat.fake_tensor_mode():
+            torch.ones(2).sum().item()
+    assert _compat.raised_by_fake_tensors(info.value)
+    assert not _compat.raised_by_fake_tensors(ValueError("shape mismatch"))
