@@ -3,19 +3,21 @@
 The peak model (see ``profile.py`` for how each number is measured), with the
 layers in the order they run::
 
-    peak = max(max_i(rest + kept[1] + ... + kept[i] + transient[i]),  # while layer i runs or recomputes
-               rest + kept[1] + ... + kept[L] + rest_transient)        # while the head and loss run
+    peak = max(max_i(kept[1] + ... + kept[i-1] + running[i]),  # while layer i runs or recomputes
+               kept[1] + ... + kept[L] + rest_running)          # while the head and loss run
 
-While layer ``i`` runs forward, only the layers before it (and itself) hold
-anything for backward. While it recomputes in backward, the layers after it
-have already run their backward and freed what they kept. So a layer's
-transient adds to what the layers up to it keep, not to what every layer keeps:
-on a ResNet, whose first blocks have the largest activations, this is the
+While layer ``i`` runs forward, only the layers before it hold anything for
+backward. While it recomputes in backward, the layers after it have already
+run their backward and freed what they kept. So a layer's running bytes add
+to what the layers before it keep, not to what every layer keeps: on a
+ResNet, whose first blocks have the largest activations, this is the
 difference between a useful bound and one that refuses every budget.
 
 For a given budget, feasibility of what is left depends only on the bytes kept
 so far, so a dynamic programme over the layers that keeps the Pareto frontier
-of (bytes kept so far, recompute) is exact: no discretisation, no solver.
+of (bytes kept so far, cost) is exact: no discretisation, no solver. The cost
+is the step time an option adds (measured, ``timing.py``), then recomputed
+FLOPs, then how intrusive the option is.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ OPTIONS = ("keep", "selective", "full")  # in order of intrusiveness: ties in FL
 
 @dataclass(frozen=True)
 class Cost:
-    """What one option of one layer costs: bytes kept for backward, FLOPs recomputed, bytes while it runs."""
+    """What one option of one layer costs.
+
+    ``kept_bytes``: kept for backward; ``recompute_flops``: recomputed in
+    backward; ``transient_bytes``: alive while it runs beyond what the other
+    layers keep (its running bytes, ``profile.py``); ``seconds``: the step
+    time the option adds over ``keep`` (0 until ``timing.py`` measures it).
+    """
 
     kept_bytes: int
     recompute_flops: int
     transient_bytes: int
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Plan:
 
     choices: dict[str, str]
     recompute_flops: int
+    recompute_seconds: float  # step time the chosen options add (0 without a timing)
     predicted_peak: int
     budget_bytes: int
     rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer, option, kept bytes, recompute FLOPs
@@ -82,21 +92,26 @@ class Plan:
         return "\n".join(lines)
 
 
-def _cost(option: str, cost: Cost) -> tuple[int, int]:
-    # FLOPs first; FlopCounterMode misses elementwise recompute, so ties go to the lighter option.
-    return cost.recompute_flops, OPTIONS.index(option) if option in OPTIONS else len(OPTIONS)
+def _cost(option: str, cost: Cost) -> tuple[float, int, int]:
+    # Step time first (what users pay); then FLOPs (FlopCounterMode misses elementwise
+    # recompute), then the lighter option.
+    return cost.seconds, cost.recompute_flops, OPTIONS.index(option) if option in OPTIONS else len(OPTIONS)
 
 
-def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...], rest_bytes: int,
+def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...], rest_bytes: int = 0,
                    rest_transient: int = 0) -> tuple[int, str]:
-    """The peak model above for one choice of options, and where the peak falls (a layer, or REST)."""
-    kept, at = rest_bytes, REST
-    peak = rest_bytes + sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_transient
+    """The peak model above for one choice of options, and where the peak falls (a layer, or REST).
+
+    ``rest_bytes`` is not part of it (the running bytes include the rest's keeps); it is
+    accepted for the callers that print it.
+    """
+    kept, at = 0, REST
+    peak = sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_transient
     for layer, option in zip(profiles, chosen):
         cost = layer.options[option]
-        kept += cost.kept_bytes
         if kept + cost.transient_bytes > peak:
             peak, at = kept + cost.transient_bytes, layer.name
+        kept += cost.kept_bytes
     return peak, at
 
 
@@ -107,14 +122,14 @@ def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_t
     strictly descending. Keeping fewer bytes never makes a later option infeasible,
     so a dominated entry can never be completed more cheaply.
     """
-    frontier: list[tuple[int, tuple[int, int], tuple[str, ...]]] = [(rest_bytes, (0, 0), ())]
+    frontier: list[tuple[int, tuple[float, int, int], tuple[str, ...]]] = [(0, (0.0, 0, 0), ())]
     for layer in profiles:
         grown = sorted(
-            (kept + c.kept_bytes, (flops + f, level + n), chosen + (o,))
-            for kept, (flops, level), chosen in frontier
+            (kept + c.kept_bytes, (seconds + t, flops + f, level + n), chosen + (o,))
+            for kept, (seconds, flops, level), chosen in frontier
             for o, c in layer.options.items()
-            for f, n in [_cost(o, c)]
-            if kept + c.kept_bytes + c.transient_bytes <= budget
+            for t, f, n in [_cost(o, c)]
+            if kept + c.transient_bytes <= budget
         )
         frontier = []
         for entry in grown:
@@ -126,9 +141,9 @@ def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_t
 
 def smallest_peak(profiles: list[LayerProfile], rest_bytes: int, rest_transient: int = 0) -> int:
     """The least predicted peak any choice reaches: a frontier of (bytes kept so far, running peak)."""
-    frontier = [(rest_bytes, 0)]
+    frontier = [(0, 0)]
     for layer in profiles:
-        grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.kept_bytes + c.transient_bytes))
+        grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.transient_bytes))
                         for kept, peak in frontier for c in layer.options.values()})
         frontier = []
         for entry in grown:
@@ -145,9 +160,9 @@ def plan(
     rest_transient: int = 0,
     reference_peak: int | None = None,
 ) -> Plan:
-    """The choice of options with the least recompute FLOPs whose predicted peak fits ``budget_bytes``.
+    """The choice of options with the least added step time (then FLOPs) whose predicted peak fits ``budget_bytes``.
 
-    ``profiles`` are in the order the layers run. Ties in FLOPs go to the less
+    ``profiles`` are in the order the layers run. Ties go to the less
     intrusive options. ``reference_peak`` (the activation peak without
     checkpointing) only words errors.
     """
@@ -159,7 +174,7 @@ def plan(
         # The measured step without checkpointing fits, so keeping everything (no recompute) is the
         # plan, even where the peak model, an upper bound, says otherwise (it counts twice a tensor
         # that two layers keep).
-        best = ((0, 0), tuple("keep" for _ in profiles))
+        best = ((0.0, 0, 0), tuple("keep" for _ in profiles))
     else:
         best = _cheapest(profiles, rest_bytes, budget_bytes, rest_transient)
     if best is None:
@@ -182,7 +197,8 @@ def plan(
         peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
     return Plan(
         choices={p.name: o for p, o in zip(profiles, chosen)},
-        recompute_flops=cost[0],
+        recompute_flops=cost[1],
+        recompute_seconds=cost[0],
         predicted_peak=peak,
         budget_bytes=budget_bytes,
         rows=[(p.name, o, p.options[o].kept_bytes, p.options[o].recompute_flops) for p, o in zip(profiles, chosen)],

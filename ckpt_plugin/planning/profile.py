@@ -5,34 +5,41 @@
 
 Each candidate layer gets one of three options: ``keep`` (no checkpointing),
 ``selective`` (the ``matmuls`` policy) or ``full``. :func:`profile` measures,
-on real training steps (every candidate wrapped with one option at a time),
-what each layer keeps for backward, the FLOPs its recomputation adds, and what
-it needs on top of that while it runs. :func:`plan` (``planner.py``) then picks the options with
-the least recompute FLOPs whose predicted activation peak fits, exactly: a
-dynamic programme, no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and
-no ``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).
+on fake tensors (``measure/fake.py``: exact bytes and FLOPs, no memory, so
+profiling never needs the step the user turned checkpointing on to avoid),
+with every candidate wrapped with one option at a time, what each layer keeps
+for backward, the FLOPs its recomputation adds, and what is alive while it
+runs. ``planning/timing.py`` adds what each option costs in step time,
+measured on real tensors one layer at a time. :func:`plan` (``planner.py``)
+then picks the options with the least added step time (FLOPs without a
+timing) whose predicted activation peak fits, exactly: a dynamic programme,
+no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and no
+``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).
 
 The peak model (``planner.py``), in activation bytes as MemTracker counts them
 (storages made by ops in forward, or by recomputation in backward), with the
 layers in the order they first run::
 
-    peak = max(max_i(rest + kept[1] + ... + kept[i] + transient[i]), rest + sum(kept) + rest_transient)
+    peak = max(max_i(kept[1] + ... + kept[i-1] + running[i]), kept[1] + ... + kept[L] + rest_running)
 
-At any moment of a step the live activations split in two. Those kept for
-backward: the rest's, and those of the layers that have run forward and not
-yet run backward, so while layer ``i`` runs or recomputes at most
-``rest + kept[1..i]``. The others are temporaries of whatever runs at that
-moment: that layer's transient (the largest amount measured, forward or
-recomputation, when a checkpointed layer holds its full activations for a
-moment), or outside the layers (embedding, head, loss) the rest's transient.
-In backward, outside recomputation, autograd makes no activations and only
-frees them, so no new maximum arises there. Two rules keep each layer's
-numbers independent of its neighbours' options: a layer's inputs count as kept
-by it under every option (checkpointing holds them; without it a layer usually
-saves them), and what a layer makes but a later layer keeps (its output) counts
-in its transient. The model assumes backward visits the layers in reverse
-order (a chain of blocks, as in every example and the models it is meant for);
-tests check it bounds MemTracker's act peak on the GPT and the ResNet.
+At any moment of a step the live activations split in two: those the layers
+other than the one running keep for backward, and everything else. While
+layer ``i`` runs forward, the layers before it have run and keep all they
+keep; those after it have not run. While it recomputes in backward, the
+layers after it have run their backward and freed what they kept. So the
+others keep exactly ``kept[1..i-1]``, and the rest is layer ``i``'s
+``running`` bytes: the most measured alive beyond the other layers' keeps, in
+its forward or recomputation (its own keeps so far, its temporaries, its
+output, the rest of the model's keeps). Outside the layers (embedding, head,
+loss) every layer keeps all it keeps, plus the rest's running bytes. In
+backward, outside recomputation, autograd makes no activations and only frees
+them, so no new maximum arises there. A layer's inputs count as kept by it
+under every option (checkpointing holds them; without it a layer usually
+saves them), so that no layer's numbers depend on a neighbour's option. The
+model assumes backward visits the layers in reverse order (a chain of blocks,
+as in every example and the models it is meant for); it is exact for such a
+chain except that a tensor two layers keep counts twice, and tests check it
+bounds MemTracker's act peak on the GPT and the ResNet, within 5 %.
 """
 
 from __future__ import annotations
@@ -162,13 +169,17 @@ class _Recorder(TorchDispatchMode):
         return run
 
     def analyse(self) -> tuple[dict[str, int], dict[str, int], int]:
-        """(kept bytes by owner, transient bytes by window, peak live bytes).
+        """(kept bytes by owner, running bytes by window, peak live bytes).
 
-        At each sample, the transient is what is alive and not kept: neither kept
-        for backward by then, nor to be kept later by the window's own layer or by
-        the rest of the model (whose keeps do not depend on any layer's option).
-        What a *later layer* will keep (the running layer's output) stays in the
-        transient, so the sum never leans on a neighbour's option.
+        A window's running bytes are the most alive at any moment while it runs
+        (forward or recomputation) beyond what the *other* layers keep for
+        backward by then: its own kept bytes so far, its temporaries, its
+        output, and the rest of the model's. Nothing in it depends on another
+        layer's option, and while layer ``i`` runs the others keep exactly the
+        layers before it (those after it have not run, or in backward have
+        already freed theirs), so ``kept[1..i-1] + running[i]`` is what is alive
+        then. A tensor that two layers keep (a block that saves its output, the
+        next one's input) counts in both: an upper bound, never an undercount.
         """
         owners: dict[int, set[str]] = defaultdict(set)
         for ev in self.events:
@@ -181,32 +192,29 @@ class _Recorder(TorchDispatchMode):
             for name in ({REST} if REST in names else names):
                 kept_by[name] += self.sizes[uid]
         frozen = {uid: frozenset(names) for uid, names in owners.items()}
-        live = kept = peak = 0
-        pending: dict[frozenset, int] = defaultdict(int)  # alive, not kept yet, kept later by these owners
+        live = peak = 0
+        kept_alive: dict[frozenset, int] = defaultdict(int)  # packed and alive, by the set of its owners
         packed: set[int] = set()
-        transient: dict[str, int] = defaultdict(int)
+        running: dict[str, int] = defaultdict(int)
         for kind, *rest in self.events:
             if kind == "sample":
                 window = rest[0]
-                later = sum(v for who, v in pending.items() if window in who or REST in who)
-                transient[window] = max(transient[window], live - kept - later)
+                others = sum(v for who, v in kept_alive.items() if REST not in who and window not in who)
+                running[window] = max(running[window], live - others)
                 peak = max(peak, live)
                 continue
             uid = rest[0]
             size = self.sizes[uid]
             if kind == "alloc":
                 live += size
-                if uid in frozen:
-                    pending[frozen[uid]] += size
             elif kind == "pack" and uid not in packed:
                 packed.add(uid)
-                kept += size
-                pending[frozen[uid]] -= size
+                kept_alive[frozen[uid]] += size
             elif kind == "free":
                 live -= size
                 if uid in packed:
-                    kept -= size
-        return dict(kept_by), dict(transient), peak
+                    kept_alive[frozen[uid]] -= size
+        return dict(kept_by), dict(running), peak
 
 
 def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str, *, flops: bool,
