@@ -9,14 +9,22 @@ A Hydra app over ``ckpt_tools/configs/inspect.yaml``: the example ``model``/``da
 and one batch of its data, runs one training step (``training_step`` and
 backward) without and with the config, and prints one row per selected module:
 the activation bytes it keeps after the forward without and with the config
-and the recompute FLOPs it adds, the totals, and the step's peak memory
-(``MemTracker`` on CPU, CUDA's allocator statistics on a GPU). Nothing trains.
+and the recompute FLOPs it adds, the totals, and the step's peak memory by
+``MemTracker``'s categories. Nothing trains.
+
+Every step runs on fake tensors (``ckpt_plugin/measure/fake.py``): shapes,
+dtypes and storage sizes are the real ones, nothing is allocated and no kernel
+runs, so a model can be inspected at a batch whose step without checkpointing
+does not fit, for a few MiB, and every number is the one a real step gives
+(``tests/test_inspection.py`` compares them). ``ckpt-inspect fake=false`` runs
+the real steps instead (peaks from CUDA's allocator on a GPU), for comparison.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +36,11 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.config.plan import apply_config
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import remove_checkpointing
+from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
 from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes, side_effect_free, step_memory
 
 
@@ -82,8 +92,8 @@ def _flops_by_module(step: Callable[[], Any], root: str, names: list[str]) -> tu
     return counter.get_total_flops(), by_name
 
 
-def _peaks(step: Callable[[], Any], model: nn.Module, device: torch.device) -> dict[str, int]:
-    if device.type == "cuda":
+def _peaks(step: Callable[[], Any], model: nn.Module, device: torch.device, fake: bool) -> dict[str, int]:
+    if device.type == "cuda" and not fake:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -93,8 +103,59 @@ def _peaks(step: Callable[[], Any], model: nn.Module, device: torch.device) -> d
     return step_memory(step, model)
 
 
-def inspect_step(model: nn.Module, step_loss: Callable[[], torch.Tensor], **ckpt_keys: Any) -> Inspection:
-    """Measure one step (``step_loss()`` returns the loss of one training step) without and with ``ckpt_keys``."""
+@contextlib.contextmanager
+def _on_fake_model(model: nn.Module, what: str) -> Iterator[None]:
+    """``on_fake_tensors`` with the model's parameters and buffers swapped for their fake copies.
+
+    ``on_fake_tensors`` converts parameters, buffers and the batch on use, and
+    the mode memoises the copies weakly. Bytes saved and FLOPs come out exact
+    that way, but not ``MemTracker``'s peaks: a view of a parameter
+    (``weight.t()`` for a matmul) is a view of its copy, a storage MemTracker
+    has never seen as a parameter, so it files it as an activation (the test
+    GPT's activation peak came out 54 % high); and the copy of a batch tensor
+    dies with the last op that reads it, where the real batch lives on (256 B
+    low). So the module attributes hold the fake copies while the step runs
+    (put back after), and the copy of every other real tensor an op reads is
+    kept alive until the end, as the real tensor is.
+    """
+    slots = [(m, name, t) for m in model.modules()
+             for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
+    with fake_measurement(model, what) as mode, side_effect_free(model), mode, _KeepCopies(mode):
+        copies = {id(t): mode.from_tensor(t) for _m, _name, t in slots}  # tied weights stay tied: one copy
+        try:
+            for m, name, t in slots:
+                setattr(m, name, copies[id(t)])
+            yield
+        finally:
+            for m, name, t in slots:
+                setattr(m, name, t)
+
+
+class _KeepCopies(TorchDispatchMode):
+    """Keeps the fake copy of every real tensor an op reads (the batch) alive while it is in force."""
+
+    def __init__(self, mode: Any) -> None:
+        super().__init__()
+        self.mode = mode
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (real, its copy): both held
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not is_fake(t) and id(t) not in self.copies:
+                self.copies[id(t)] = (t, self.mode.from_tensor(t))  # the copy the op will get: memoised
+        return func(*args, **(kwargs or {}))
+
+
+def inspect_step(
+    model: nn.Module, step_loss: Callable[[], torch.Tensor], *, fake: bool = True, **ckpt_keys: Any
+) -> Inspection:
+    """Measure one step (``step_loss()`` returns the loss of one training step) without and with ``ckpt_keys``.
+
+    ``fake=True``: every step runs on fake tensors (``_on_fake_model``),
+    whatever the batch, for almost no memory; the bytes, FLOPs and peaks are
+    those of real steps. A step that reads tensor values raises
+    :class:`~ckpt_plugin.measure.fake.NotFakeable`. ``fake=False`` runs real steps.
+    """
     config = make_config(**ckpt_keys)
     remove_checkpointing(model)
     device = next(model.parameters()).device
@@ -103,13 +164,16 @@ def inspect_step(model: nn.Module, step_loss: Callable[[], torch.Tensor], **ckpt
         step_loss().backward()
         model.zero_grad(set_to_none=True)
 
+    def measuring() -> contextlib.AbstractContextManager:
+        return _on_fake_model(model, "ckpt-inspect") if fake else side_effect_free(model)
+
     def measure(names: list[str]) -> tuple[SavedBytes, int, dict[str, int], dict[str, int]]:
-        with side_effect_free(model):
+        with measuring():
             kept = saved_bytes(model, step_loss, names)
-        with side_effect_free(model):
+        with measuring():
             total, by_name = _flops_by_module(step, type(model).__name__, names)
-        with side_effect_free(model):
-            peaks = _peaks(step, model, device)
+        with measuring():
+            peaks = _peaks(step, model, device, fake)
         return kept, total, by_name, peaks
 
     names = apply_config(model, config)  # checks the config against the model first
@@ -135,10 +199,14 @@ def main(cfg: DictConfig) -> None:
     model.to(device).train()
     batch = move_data_to_device(next(iter(datamodule.train_dataloader())), device)
     keys = {k: v for k, v in cfg.ckpt.items() if k != "_target_"}
-    with warnings.catch_warnings():
-        # training_step's self.log() has no Trainer to log to here; that is expected.
-        warnings.filterwarnings("ignore", message=".*self.log.*")
-        result = inspect_step(model, lambda: model.training_step(batch, 0), **keys)
+    try:
+        with warnings.catch_warnings():
+            # training_step's self.log() has no Trainer to log to here; that is expected.
+            warnings.filterwarnings("ignore", message=".*self.log.*")
+            result = inspect_step(model, lambda: model.training_step(batch, 0), fake=cfg.fake, **keys)
+    except NotFakeable as err:
+        hint = "ckpt-inspect fake=false measures real steps instead, in the memory they take."
+        raise SystemExit(f"{err}\n{hint}") from err
     print(result)
 
 

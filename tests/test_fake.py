@@ -102,39 +102,7 @@ def test_auto_profile_on_fake_tensors_equals_the_profile_on_real_ones(workloads,
     real = profile(model, names, forward, fake=False)
     fake = profile(model, names, forward)
     assert all(layer.options["full"].recompute_flops > 0 for layer in fake.layers)
-    if name in ("gpt", "resnet"):
-        assert fake == real
-        return
-    # transformers builds its attention mask another way when it sees a FakeTensor
-    # (masking_utils: ``is_tracing(padding_mask)`` skips the all-ones check), so the
-    # temporaries of the mask differ by a few hundred bytes; what is kept, and the FLOPs, do not.
-    assert fake.rest_bytes == real.rest_bytes
-    assert [(layer.name, {o: (c.kept_bytes, c.recompute_flops) for o, c in layer.options.items()})
-            for layer in fake.layers] == [
-           (layer.name, {o: (c.kept_bytes, c.recompute_flops) for o, c in layer.options.items()})
-            for layer in real.layers]
-    assert fake.no_ckpt_peak == pytest.approx(real.no_ckpt_peak, abs=1024)
-    for f, r in zip(fake.layers, real.layers):
-        assert all(abs(f.options[o].transient_bytes - r.options[o].transient_bytes) <= 1024 for o in f.options)
-
-
-def test_measuring_on_fake_tensors_leaves_the_model_as_it_was(workloads):
-    model, layers, forward = workloads["resnet"]
-    model.train()
-    forward().backward()  # real gradients and statistics to keep
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    rng = torch.get_rng_state()
-    wrapped = apply_checkpointing(model, layers=layers)
-    try:
-        wrap_report(model, wrapped, forward)
-        profile(model, wrapped, forward)
-    finally:
-        apply_checkpointing(model, mode="none")
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
-    assert all(torch.equal(p.grad, grads[n]) and type(p.grad) is torch.Tensor for n, p in model.named_parameters())
-    model.zero_grad(set_to_none=True)
+    assert fake == real
 
 
 def _rss_kib(field: str) -> int:

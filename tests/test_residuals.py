@@ -1,4 +1,8 @@
-"""``saved_activations``: exact rows of what autograd keeps, against hand counts, JAX's seed 004 and ``measure``."""
+"""``saved_activations``: exact rows of what autograd keeps, against hand counts, JAX's seed 004 and ``measure``.
+
+Every call runs on fake tensors (the default); the last section checks that
+the rows are those of real tensors, exactly, on the examples and a Hugging Face GPT-2.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckpt_plugin import apply_checkpointing, checkpoint, checkpoint_name
+from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_plugin.measure.residuals import SavedRow, saved_activations
 
@@ -306,3 +311,80 @@ def test_str_is_an_aligned_table_with_a_header_and_totals(gpt) -> None:
     assert f"({report.total_bytes:,} B)" in text
     assert "model state, kept anyway (not in the total):" in text
     assert "parameter head.weight" in text and text.splitlines()[-1].lstrip().startswith("parameters")
+
+
+# ---------------------------------------------------------------------- fake tensors, as real ones
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(64, (B, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :4] = 0  # left padding, as HF users batch prompts of different lengths
+    return model, ids, mask
+
+
+def _workload(name: str):
+    """(function or module, args, kwargs) to measure: the seed's functions, the examples, GPT-2 as HF users call it."""
+    if name.startswith("seed"):
+        fn = {"seed": f, "seed-per-layer": f2, "seed-names": checkpoint(f4, policy="names", save_names=["a"])}[name]
+        return fn, seed_args(parameters=name == "seed-names"), {}
+    if name == "view":  # a view of an argument: its (fake) copy is the argument's storage
+        return (lambda x, w: x.exp().t() @ w + x[1:].sin().sum()), [leaf(4, 3), leaf(4, 2)], {}
+    if name == "resnet":
+        model = small_resnet()
+        return model, [resnet_batch(model)[0]], {}
+    if name.startswith("gpt2"):
+        model, ids, mask = _gpt2()
+        if name == "gpt2-blocks":
+            apply_checkpointing(model, layers="GPT2Block")
+        return model, [], {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    model = small_gpt(n_layer=2)
+    batch = gpt_batch(model)
+    if name == "gpt-blocks":
+        apply_checkpointing(model, layers="TransformerBlock")
+    if name == "gpt-segment":
+        apply_checkpointing(model, layers="TransformerBlock", segments=1)
+    if name == "gpt-linear":  # a module called by a plain function: named, and its state adopted, on the fly
+        return (lambda x: model.head(model.ln_f(x)).relu()), [leaf(B, T, C)], {}
+    return (model.loss, [batch], {}) if name != "gpt" else (model, [batch[0]], {})
+
+
+FAKE_AS_REAL = ["seed", "seed-per-layer", "seed-names", "view", "gpt", "gpt-blocks", "gpt-segment", "gpt-linear",
+                "resnet", "gpt2", "gpt2-blocks"]
+
+
+@pytest.mark.parametrize("name", FAKE_AS_REAL)
+def test_fake_tensors_give_the_rows_and_table_of_real_ones(name) -> None:
+    fn, args, kwargs = _workload(name)
+    real = saved_activations(fn, *args, fake=False, **kwargs)
+    fake = saved_activations(fn, *args, **kwargs)
+    assert fake.rows == real.rows  # source, shape, dtype, bytes, is_parameter: row by row
+    assert str(fake) == str(real)
+    assert fake.total_bytes > 0
+
+
+def test_gpt2_with_an_all_ones_mask_keeps_the_mask_on_fake_tensors_only() -> None:
+    """transformers drops an all-ones mask (SDPA's is_causal instead), a decision on values: on a
+    FakeTensor it keeps the mask (``masking_utils``: ``is_tracing``). Checkpointed blocks then
+    keep it as an input, one (B, 1, T, T) bool tensor: the only row by which fake and real differ."""
+    model, ids, _ = _gpt2()
+    apply_checkpointing(model, layers="GPT2Block")
+    call = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long), "labels": ids}
+    real = saved_activations(model, fake=False, **call)
+    fake = saved_activations(model, **call)
+    extra = [r for r in fake.rows if r not in real.rows]
+    assert extra == [SavedRow("input of checkpointed transformer.h.0", (B, 1, T, T), torch.bool, B * T * T)]
+    assert [r for r in fake.rows if r not in extra] == real.rows
+
+
+def test_a_forward_that_reads_values_is_not_faked_but_named() -> None:
+    def branchy(x):
+        return x.sin() if x.sum().item() > 0 else x.cos()
+
+    with pytest.raises(NotFakeable, match=r"saved_activations\(branchy\) runs .* on fake tensors .* cannot run"):
+        saved_activations(branchy, leaf(5, 4))
+    assert rows(saved_activations(branchy, leaf(5, 4), fake=False)) == [("argument x", (5, 4), 80)]

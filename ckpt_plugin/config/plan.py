@@ -64,7 +64,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         return WrapPlan()
     names = select_layers(model, config.layers, config.every_n)
     if isinstance(config, AutoConfig):
-        measured = profile(model, names, lambda: scalar((forward or example_forward(model))()))
+        measured = profile(model, names, lambda: scalar((forward or example_forward(model))()), timed=True)
         chosen = measured.plan(resolve(parse_budget(config.budget), measured.no_ckpt_peak))  # raises if it cannot fit
         return wrap_plan(chosen, config.preserve_rng_state)
     segments = getattr(config, "segments", None)

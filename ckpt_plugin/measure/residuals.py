@@ -5,6 +5,16 @@
     print(saved_activations(model, idx))                 # a module: rows sourced to module paths
     print(saved_activations(checkpoint(f), W1, W2, x))   # a function transform: only the inputs stay
 
+The forward runs on fake tensors (``measure/fake.py``): shapes, dtypes and
+storage sizes are the real ones, nothing is allocated, so a model can be
+inspected at a batch whose un-checkpointed forward would not fit, and the
+rows are those of a real run (``tests/test_residuals.py`` compares them on
+the GPT, the ResNet and a Hugging Face GPT-2). The table shows no values:
+fake tensors have none. Code that asks whether a tensor is fake takes its
+cautious path (transformers keeps an all-ones attention mask it would drop
+for SDPA's ``is_causal``), and its rows are that path's. ``fake=False`` runs
+on real tensors, for comparison.
+
 One forward of ``fn(*args, **kwargs)`` runs with grad enabled under a pair of
 ``saved_tensors_hooks`` that record every tensor autograd packs, one row per
 storage (a view and its base count once), as ``measure.saved_bytes`` counts
@@ -40,6 +50,7 @@ from torch import nn
 from ckpt_plugin._compat import (
     TorchDispatchMode,
     checkpointed_fn,
+    is_fake,
     is_mutable,
     keystr,
     register_module_forward_hook,
@@ -48,6 +59,7 @@ from ckpt_plugin._compat import (
     tree_flatten_with_path,
     tree_leaves,
 )
+from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import format_bytes, side_effect_free
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -107,18 +119,31 @@ class SavedActivations:
         return "\n".join(lines)
 
 
-def saved_activations(fn: Any, /, *args: Any, **kwargs: Any) -> SavedActivations:
+def saved_activations(fn: Any, /, *args: Any, fake: bool = True, **kwargs: Any) -> SavedActivations:
     """Run ``fn(*args, **kwargs)`` once and report what autograd keeps for its backward.
 
     ``fn`` is a function, a module or a module's bound method (``model.loss``).
     Tensors count as autograd sees them: an argument that does not require
     grad is saved only where another input's gradient needs it. Storages are
     counted once; ``total_bytes`` equals ``measure.saved_bytes(...).total``.
+
+    ``fake=True`` (the default) runs the forward on fake tensors: the same rows
+    for almost no memory. A forward that reads values (``.item()``, branching
+    on data) raises :class:`~ckpt_plugin.measure.fake.NotFakeable`; ``fake=False``
+    runs it on real tensors. (As ``torch.utils.checkpoint.checkpoint``'s own
+    keywords, ``fake`` is not passed on to ``fn``: wrap ``fn`` in
+    ``functools.partial`` to give it a keyword of that name.)
     """
     if not callable(fn):
         raise TypeError(f"saved_activations expects a function or module to run, got {type(fn).__name__}")
     with contextlib.ExitStack() as restore:
-        recorder = _Recorder(fn, args, kwargs, restore)
+        mode = None
+        if fake:  # outermost: turns an error that fake tensors caused into NotFakeable
+            model = _root(fn) or nn.Module()
+            mode = restore.enter_context(fake_measurement(model, f"saved_activations({_label(fn)})"))
+        recorder = _Recorder(fn, args, kwargs, restore, mode)  # clones buffers: before the mode is entered
+        if mode is not None:
+            restore.enter_context(mode)
         handles = [
             register_module_forward_pre_hook(recorder.enter_module),
             register_module_forward_hook(recorder.exit_module, always_call=True),
@@ -127,11 +152,11 @@ def saved_activations(fn: Any, /, *args: Any, **kwargs: Any) -> SavedActivations
             hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack)
             with torch.enable_grad(), hooks, _Producers(recorder):
                 out = recorder.run()
+            requires_grad = any(t.requires_grad for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            del out  # drops the graph and with it what was saved
         finally:
             for h in handles:
                 h.remove()
-    requires_grad = any(t.requires_grad for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-    del out  # drops the graph and with it what was saved
     return SavedActivations(recorder.label, recorder.rows(), requires_grad)
 
 
@@ -142,17 +167,15 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 class _Recorder:
     """The state of one ``saved_activations`` call; nothing outlives it."""
 
-    def __init__(self, fn: Any, args: tuple, kwargs: dict, restore: contextlib.ExitStack) -> None:
+    def __init__(self, fn: Any, args: tuple, kwargs: dict, restore: contextlib.ExitStack, mode: Any = None) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.restore = restore  # where the buffers (and RNG) of every module that runs are restored
-        owner = getattr(fn, "__self__", None)
-        self.root: nn.Module | None = fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
-        if isinstance(fn, nn.Module):
-            self.label = type(fn).__name__
-        elif inspect.isbuiltin(fn):  # torch.sin's qualname is _VariableFunctionsClass.sin
-            self.label = fn.__name__
-        else:
-            self.label = _readable(getattr(fn, "__qualname__", None) or type(fn).__name__)
+        self.mode = mode  # the FakeTensorMode the forward runs in, or None: real tensors
+        # Real tensor -> (itself, its fake copy), kept alive: storages are keyed by the fake copy's
+        # Python storage object, whose id a dead copy would hand on (see key()).
+        self.fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.root = _root(fn)
+        self.label = _label(fn)
         self.module_names: dict[nn.Module, str] = {}
         self.state: dict[tuple[str, int], tuple[str, tuple[int, ...], torch.dtype]] = {}  # params, buffers
         self.arguments: dict[tuple[str, int], tuple[int, str, torch.Tensor]] = {}
@@ -164,10 +187,24 @@ class _Recorder:
         if self.root is not None:
             self._adopt(self.root, prefix="")
         for i, (name, t) in enumerate(_bound_tensors(fn, args, kwargs)):
-            self.arguments.setdefault(storage_key(t), (i, name, t))
+            self.arguments.setdefault(self.key(t), (i, name, t))
 
     def run(self) -> Any:
         return self.fn(*self.args, **self.kwargs)
+
+    def key(self, t: torch.Tensor) -> tuple[str, int]:
+        """The storage of ``t`` as the forward sees it.
+
+        On fake tensors the ops see real parameters, buffers and arguments
+        through fake copies (one per real tensor, memoised by the mode), and
+        autograd saves sometimes the real tensor, sometimes a view of its
+        copy: both are keyed by the copy, so that they count once.
+        """
+        if self.mode is None or is_fake(t):
+            return storage_key(t)
+        if id(t) not in self.fakes:
+            self.fakes[id(t)] = (t, self.mode.from_tensor(t))
+        return storage_key(self.fakes[id(t)][1])
 
     # -- where a storage comes from --------------------------------------------------------
 
@@ -181,12 +218,13 @@ class _Recorder:
             self.module_names.setdefault(m, join(name) or type(module).__name__)
         for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
             for name, t in named:
-                self.state.setdefault(storage_key(t), (f"{kind} {join(name)}", tuple(t.shape), t.dtype))
+                self.state.setdefault(self.key(t), (f"{kind} {join(name)}", tuple(t.shape), t.dtype))
 
     def module_name(self, module: nn.Module) -> str:
         if module not in self.module_names:  # called by a plain function: named from its class
             self._adopt(module, prefix=type(module).__name__)
-            self.restore.enter_context(side_effect_free(module))
+            if self.mode is None:  # on fake tensors the forward writes into fake copies, never the buffers
+                self.restore.enter_context(side_effect_free(module))
         return self.module_names[module]
 
     def enter_module(self, module: nn.Module, _args: Any) -> None:
@@ -197,7 +235,7 @@ class _Recorder:
             self.modules.pop()
 
     def produced(self, func: Any, args: tuple, kwargs: dict, out: Any, frame: FrameType | None) -> None:
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {self.key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         op = str(func.overloadpacket)
         if op == "ckpt_plugin.checkpoint_name":
@@ -206,7 +244,7 @@ class _Recorder:
             what = op if len(outputs) == 1 else None
         writes = is_mutable(func)
         for i, t in enumerate(outputs):
-            key = storage_key(t)
+            key = self.key(t)
             # A view keeps its base's producer. An in-place write names the storage
             # after the first writer (relu_ after batch_norm; a dropout mask made by
             # empty_like, bernoulli_, div_ is bernoulli_'s).
@@ -251,7 +289,7 @@ class _Recorder:
     # -- the hooks ------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
+        key = self.key(t)
         if key in self.saved:
             return t
         order = (1, len(self.saved))
@@ -314,6 +352,21 @@ def _bound_tensors(fn: Any, args: tuple, kwargs: dict) -> list[tuple[str, torch.
             if isinstance(leaf, torch.Tensor):
                 found.append((name + keystr(path), leaf))
     return found
+
+
+def _root(fn: Any) -> nn.Module | None:
+    """The module ``fn`` is, or whose bound method it is (``model.loss``)."""
+    owner = getattr(fn, "__self__", None)
+    return fn if isinstance(fn, nn.Module) else owner if isinstance(owner, nn.Module) else None
+
+
+def _label(fn: Any) -> str:
+    """What the table calls ``fn``: ``GPT``, ``sin``, ``GPT.loss``, ``f``."""
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    if inspect.isbuiltin(fn):  # torch.sin's qualname is _VariableFunctionsClass.sin
+        return fn.__name__
+    return _readable(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
 def _readable(qualname: str) -> str:

@@ -58,12 +58,13 @@ class Profile:
 
     layers: list[LayerProfile]
     rest_bytes: int  # kept for backward outside the candidate layers
-    rest_transient: int  # unkept activations alive outside the layers at worst
+    rest_transient: int  # alive outside the layers at worst beyond the layers' keeps (the rest's running bytes)
     no_ckpt_peak: int  # act peak of the step without checkpointing, as measured
+    none_seconds: float = 0.0  # the step without checkpointing, predicted from timings (0: not timed)
 
     def plan(self, budget_bytes: int) -> Plan:
-        return plan(self.layers, self.rest_bytes, budget_bytes,
-                    rest_transient=self.rest_transient, reference_peak=self.no_ckpt_peak)
+        return plan(self.layers, self.rest_bytes, budget_bytes, rest_transient=self.rest_transient,
+                    reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class Plan:
     rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer, option, kept bytes, recompute FLOPs
     rest_bytes: int = 0
     peak_at: str = REST  # the layer whose run (or recomputation) the predicted peak falls in
+    none_seconds: float = 0.0  # the step without checkpointing, predicted (0: not timed)
+
+    @property
+    def predicted_time_ratio(self) -> float | None:
+        """The step with this plan over the step without checkpointing, predicted; None if not timed."""
+        return (self.none_seconds + self.recompute_seconds) / self.none_seconds if self.none_seconds > 0 else None
 
     def __str__(self) -> str:
         width = max(len("total (peak)"), len(REST), *(len(r[0]) for r in self.rows))
@@ -89,6 +96,9 @@ class Plan:
         lines.append(f"predicted activation peak {format_bytes(self.predicted_peak)} ({self.predicted_peak} B), "
                      f"while {self.peak_at} runs, <= budget {format_bytes(self.budget_bytes)} "
                      f"({self.budget_bytes} B)")
+        if self.predicted_time_ratio is not None:
+            lines.append(f"predicted step time {self.predicted_time_ratio:.2f}x that without checkpointing "
+                         f"(+{1e3 * self.recompute_seconds:.1f} ms of recomputation, measured layer by layer)")
         return "\n".join(lines)
 
 
@@ -159,6 +169,7 @@ def plan(
     *,
     rest_transient: int = 0,
     reference_peak: int | None = None,
+    none_seconds: float = 0.0,
 ) -> Plan:
     """The choice of options with the least added step time (then FLOPs) whose predicted peak fits ``budget_bytes``.
 
@@ -204,4 +215,5 @@ def plan(
         rows=[(p.name, o, p.options[o].kept_bytes, p.options[o].recompute_flops) for p, o in zip(profiles, chosen)],
         rest_bytes=rest_bytes,
         peak_at=at,
+        none_seconds=none_seconds,
     )

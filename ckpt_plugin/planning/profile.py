@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import replace
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -54,10 +55,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ckpt_plugin._compat import TorchDispatchMode, tree_leaves
+from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
+from ckpt_plugin.planning.timing import LayerTimes, measure_layer_times
 from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.engine.policies import make_policy
 from ckpt_plugin.engine.treatment import Treatment
@@ -87,6 +89,8 @@ class _Recorder(TorchDispatchMode):
         self.seen: dict[int, tuple[int | None, Any]] = {}  # id(storage) -> (uid or None, weakref)
         state = [*model.parameters(), *model.buffers()]
         state += [p.grad for p in model.parameters() if p.grad is not None]
+        self.fake = fake
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real input) -> (it, its fake copy)
         if fake is not None:  # on fake tensors ops see the mode's (memoised) fake copy of each
             state += [fake.from_tensor(t) for t in state]
         self.state = state  # held: a storage id is only unique while its storage lives
@@ -96,6 +100,13 @@ class _Recorder(TorchDispatchMode):
         self.flops: dict[str, int] = defaultdict(int)
         self.counter: FlopCounterMode | None = None
         self.order: list[str] = []  # the layers in the order they first ran forward
+
+    def _hold_fake_copy(self, t: torch.Tensor) -> None:
+        """On fake tensors, keep the mode's copy of a real input (the batch) alive as long as
+        the real one lives, as on real tensors: MemTracker, and we, count the batch's storage
+        once an op views it (``targets.view(-1)``) and it must not die earlier on fake tensors."""
+        if self.fake is not None and not is_fake(t) and id(t) not in self.held:
+            self.held[id(t)] = (t, self.fake.from_tensor(t))
 
     def _uid(self, t: torch.Tensor, *, create: bool) -> int | None:
         try:
@@ -125,6 +136,9 @@ class _Recorder(TorchDispatchMode):
         return uid
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._hold_fake_copy(t)
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -275,7 +289,8 @@ def _check_names(model: nn.Module, names: list[str]) -> None:
                          "the candidate layers must not contain one another")
 
 
-def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True) -> Profile:
+def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
+            timed: bool = False) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Five
@@ -283,8 +298,11 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     (keep, selective, full), two count recompute FLOPs (selective, full). They
     run on fake tensors (``measure/fake.py``): bytes and FLOPs are the real
     ones and no activation is allocated, whatever the batch; ``fake=False``
-    runs them on real tensors (for tests that compare the two). They leave no
-    trace: RNG streams, buffers, gradients and wrapping are restored.
+    runs them on real tensors (for tests that compare the two). ``timed=True``
+    also measures what each option adds to the step time (``timing.py``: real
+    tensors, one layer at a time, never the un-checkpointed step), which the
+    planner then minimises. They leave no trace: RNG streams, buffers,
+    gradients and wrapping are restored.
     """
     names = list(dict.fromkeys(names))
     _check_names(model, names)
@@ -304,12 +322,23 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     # The planner's peak model follows the order the layers run in; layers that never ran go last.
     ran = recorders["keep"].order
     layers.sort(key=lambda layer: ran.index(layer.name) if layer.name in ran else len(ran))
-    return Profile(
+    measured = Profile(
         layers=layers,
         rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),
         rest_transient=max(transient.get(REST, 0) for _, transient, _ in memory.values()),
         no_ckpt_peak=memory["keep"][2],
     )
+    if not timed:
+        return measured
+    return with_times(measured, measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS}))
+
+
+def with_times(measured: Profile, times: LayerTimes) -> Profile:
+    """``measured`` with each option's added step time from ``times`` (negative noise read as 0)."""
+    layers = [LayerProfile(layer.name, {o: replace(c, seconds=max(times.added(layer.name, o), 0.0))
+                                        for o, c in layer.options.items()})
+              for layer in measured.layers]
+    return replace(measured, layers=layers, none_seconds=times.predicted_none_seconds)
 
 
 def wrap_plan(chosen: Plan, preserve_rng_state: bool = True) -> WrapPlan:
@@ -329,6 +358,7 @@ __all__ = [
     "OPTIONS",
     "Plan",
     "Profile",
+    "with_times",
     "wrap_plan",
     "parse_budget",
     "plan",
