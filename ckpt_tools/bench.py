@@ -54,11 +54,14 @@ from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.measure.memory import step_flops, step_memory
+from ckpt_tools.compiled import measure_compiled_budget
+from ckpt_tools.overhead import measure_overhead
 from ckpt_tools.workloads import MODELS, MODES, ModelSpec, Run, build
 
 __all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build", "main", "pareto_front"]
 
 MiB = 2**20
+EXTRAS = ("overhead", "compiled")
 
 def _is_auto(mode: str) -> bool:
     keys = MODES[mode]
@@ -97,6 +100,11 @@ def measure_model(
         runs[mode] = run
         rows[mode] = {"peak_bytes": mem["total"], "act_peak_bytes": mem["act"], "flops": flops,
                       "wrapped": run.wrapped, "notes": notes}
+        if run.planned is not None:  # ckpt=auto: what the planner predicted, and what planning cost
+            rows[mode] |= {"predicted_peak_bytes": run.planned.predicted_peak,
+                           "predicted_time_ratio": run.planned.predicted_time_ratio,
+                           "profile_peak_bytes": run.planning_peak_bytes,
+                           "choices": run.planned.choices}
         bar.update(1)
     seconds = time_steps(name, runs, args.repeats, args.steps, args.min_seconds, bar)
     base = rows["none"]
@@ -109,6 +117,8 @@ def measure_model(
         row["time_ratio_best"] = min(seconds[mode]) / min(seconds["none"])
         row["act_fraction"] = row["act_peak_bytes"] / base["act_peak_bytes"]
         row["peak_fraction"] = row["peak_bytes"] / base["peak_bytes"]
+        if "predicted_peak_bytes" in row:
+            row["predicted_over_measured_peak"] = row["predicted_peak_bytes"] / row["act_peak_bytes"]
     return {mode: rows[mode] for mode in modes}, dict(runs["none"].model.hparams)
 
 
@@ -193,7 +203,8 @@ def write_plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Non
     fig.savefig(path, dpi=120)
 
 
-def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup: dict[str, str]) -> str:
+def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup: dict[str, str],
+             overhead: dict[str, Any] | None = None, compiled: dict[str, Any] | None = None) -> str:
     lines = ["# ckpt-bench results", "", "```bash", command, "```", ""]
     lines += [f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads. "
               "Peaks from MemTracker, FLOPs from FlopCounterMode (one step each); "
@@ -218,8 +229,48 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup:
                 f"| {r['flops_ratio']:.3f} | {r['time_ratio']:.2f} | {r['time_ratio_best']:.2f} |"
             )
             notes += [f"- {mode}: {n}" for n in r["notes"]]
+            if "predicted_peak_bytes" in r:
+                ratio = r["predicted_time_ratio"]
+                notes.append(
+                    f"- {mode}: predicted act peak {r['predicted_peak_bytes'] / MiB:.1f} MiB "
+                    f"({r['predicted_over_measured_peak']:.3f} of the measured), predicted time ratio "
+                    + (f"{ratio:.2f}" if ratio is not None else "–")
+                    + f" (measured {r['time_ratio']:.2f}); planning grew the process peak by "
+                    + (f"{r['profile_peak_bytes'] / MiB:.1f} MiB" if r["profile_peak_bytes"] is not None else "–")
+                    + f"; {_choices(r['choices'])}")
         lines += ["", *notes, ""] if notes else [""]
+    if overhead is not None:
+        lines += ["## overhead", "",
+                  f"Plugin `ckpt=full` over hand-written `checkpoint(block, x, use_reentrant=False)` on the tiny "
+                  f"{overhead['config']['model']}, {overhead['threads']} thread(s), "
+                  f"{overhead['config']['rounds']} interleaved rounds of {overhead['config']['steps']} steps: "
+                  f"plugin_over_hand {overhead['plugin_over_hand']:.3f} (medians), "
+                  f"{overhead['plugin_over_hand_best']:.3f} (fastest steps), "
+                  f"{overhead.get('plugin_over_hand_cpu', float('nan')):.3f} (CPU time).", ""]
+    if compiled is not None:
+        c = compiled
+        lines += ["## torch.compile with activation_memory_budget", "",
+                  f"GPT {c['model'] or '(default size)'}, backend {c['backend']}; saved bytes are what the "
+                  "forward keeps for backward (each storage once, parameters excluded), the same measure for "
+                  "every row.", "",
+                  "| run | saved (MiB) | saved / its none | step time / its none |", "|---|---:|---:|---:|",
+                  f"| compiled none | {c['compiled_none']['saved_bytes'] / MiB:.1f} | 1.00 | 1.00 |",
+                  f"| compiled, activation_memory_budget={c['budget']:g} "
+                  f"| {c['compiled_budget']['saved_bytes'] / MiB:.1f} | {c['act_fraction']:.2f} | {c['time_ratio']:.2f} |"]
+        if c.get("eager_auto"):
+            lines += [f"| eager none | {c['eager_none']['saved_bytes'] / MiB:.1f} | 1.00 | 1.00 |",
+                      f"| eager ckpt=auto budget={c['budget']:g} | {c['eager_auto']['saved_bytes'] / MiB:.1f} "
+                      f"| {c['eager_act_fraction']:.2f} | {c['eager_time_ratio']:.2f} |"]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _choices(choices: dict[str, str]) -> str:
+    """``full x10, keep x2`` for a plan's options."""
+    counts: dict[str, int] = {}
+    for option in choices.values():
+        counts[option] = counts.get(option, 0) + 1
+    return ", ".join(f"{option} x{n}" for option, n in counts.items())
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -272,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed steps per mode per round, at least (default 2, --quick 3)")
     parser.add_argument("--min-seconds", type=float, default=None,
                         help="time per mode per round, at least (default 1.0, --quick 0.2)")
+    parser.add_argument("--skip", default="",
+                        help=f"comma-separated extras to leave out: {', '.join(EXTRAS)} (overhead: the plugin "
+                        "over hand-written checkpoint on a tiny GPT; compiled: torch.compile with "
+                        "activation_memory_budget=0.5 beside ckpt=auto 0.5, minutes)")
     return parser
 
 
@@ -291,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes = _parse_list(args.modes, list(MODES), "--modes", parser)
     if "none" not in modes:
         modes.insert(0, "none")  # every ratio is to it
+    skipped = _parse_list(args.skip, EXTRAS, "--skip", parser) if args.skip.strip() else []
     problems = _mode_problems(modes)
     if importlib.util.find_spec("matplotlib") is None:  # found out now, not after minutes of measuring
         problems.append("plot.png needs matplotlib: pip install 'ckpt-plugin[bench]' (or pip install matplotlib)")
@@ -308,9 +364,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"layers={spec.layers}; timing: {args.repeats} rounds, each mode at least "
                            f"{args.steps} steps and {args.min_seconds:g} s per round.")
 
+    overhead = compiled = None
+    if "overhead" not in skipped:
+        print("ckpt-bench: overhead of the plugin over hand-written checkpoint (tiny GPT)", file=sys.stderr)
+        overhead = measure_overhead(rounds=5 if args.quick else 15)
+    if "compiled" not in skipped:
+        print("ckpt-bench: torch.compile with activation_memory_budget (compiles twice: minutes)", file=sys.stderr)
+        compiled = measure_compiled_budget(quick=args.quick, rounds=3, steps=1)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = markdown(results, command, setup)
+    extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled)) if v is not None}
+    (args.out / "results.json").write_text(json.dumps(results | extras, indent=2, default=str) + "\n")
+    table = markdown(results, command, setup, overhead, compiled)
     (args.out / "results.md").write_text(table)
     write_plot(results, args.out / "plot.png")
     print(table)

@@ -5,9 +5,12 @@ A module of its own so that the two tools share it without importing each other.
 
 from __future__ import annotations
 
+import gc
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -15,7 +18,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
-from ckpt_plugin.config.plan import apply_checkpointing
+from ckpt_plugin.config.plan import apply_config, plan_for
+from ckpt_plugin.config.schema import AutoConfig, make_config
+from ckpt_plugin.engine.wrap import install
+
+T = TypeVar("T")
 
 # Bench mode -> the keys of the ckpt node (``layers`` is added per model); None: ``hand``.
 MODES: dict[str, dict[str, Any] | None] = {
@@ -79,6 +86,7 @@ class ModelSpec:
     layers: str  # the class apply_checkpointing wraps and the hand-written forward checkpoints
     batch: Callable[[Any, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     quick: dict[str, Any]  # constructor overrides for --quick; the default size is the class's own
+    auto_layers: tuple[str, ...] = ()  # ckpt=auto's candidates, when more than ``layers`` (a stem)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -89,17 +97,26 @@ MODELS: dict[str, ModelSpec] = {
     "resnet": ModelSpec(
         ResNet, HandResNet, "Bottleneck", _resnet_batch,
         quick=dict(channels=16, image_size=16, batch_size=8),
+        # The stem runs at full resolution and keeps a quarter of the activations: a candidate too.
+        auto_layers=("Bottleneck", "re:stem"),
     ),
 }
 
 
 @dataclass
 class Run:
-    """One mode of one model: a fresh model, its batch and what was wrapped."""
+    """One mode of one model: a fresh model, its batch and what was wrapped.
+
+    For ``ckpt=auto``: ``planned`` is the planner's ``Plan`` (predicted peak and
+    time) and ``planning_peak_bytes`` how much the process's peak resident
+    memory grew while planning (None where Linux's /proc cannot tell).
+    """
 
     model: nn.Module
     batch: tuple[torch.Tensor, torch.Tensor]
     wrapped: int
+    planned: Any = None
+    planning_peak_bytes: int | None = None
 
     def step(self) -> None:
         self.model.loss(self.batch).backward()
@@ -113,10 +130,36 @@ def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0) -> Run:
     model.train()
     batch = spec.batch(model, torch.Generator().manual_seed(seed + 1))
     if keys is None:
-        wrapped = sum(type(m).__name__ == spec.layers for m in model.modules())
-    else:
-        wrapped = len(apply_checkpointing(model, layers=spec.layers, **keys))
-    return Run(model, batch, wrapped)
+        return Run(model, batch, sum(type(m).__name__ == spec.layers for m in model.modules()))
+    config = make_config(layers=list(spec.auto_layers or [spec.layers]) if keys["mode"] == "auto" else spec.layers,
+                         **keys)
+    if not isinstance(config, AutoConfig):
+        return Run(model, batch, len(apply_config(model, config)))
+    # Planned on the bench's own batch and loss, as a user's training step would be.
+    plan, grown = peak_growth(lambda: plan_for(model, config, lambda: model.loss(batch)))
+    return Run(model, batch, len(install(model, plan)), plan.planned, grown)
 
 
-__all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build"]
+def peak_growth(fn: Callable[[], T]) -> tuple[T, int | None]:
+    """``fn()`` and how many bytes the process's peak resident memory grew while it ran.
+
+    Linux only: writing 5 to /proc/self/clear_refs restarts VmHWM (the peak) at the
+    current RSS. Elsewhere the growth is None.
+    """
+    clear = Path("/proc/self/clear_refs")
+    if not clear.exists():
+        return fn(), None
+    gc.collect()
+    clear.write_text("5")
+    before = _status_kib("VmRSS")
+    result = fn()
+    return result, (_status_kib("VmHWM") - before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), flags=re.MULTILINE)
+    assert match, field
+    return int(match[1])
+
+
+__all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build", "peak_growth"]

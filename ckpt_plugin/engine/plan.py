@@ -9,6 +9,7 @@ name, so it is checked against a model before anything is touched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ckpt_plugin.engine.treatment import Treatment
 
@@ -37,11 +38,14 @@ Group = EachLayer | Segments
 class WrapPlan:
     """What :func:`~ckpt_plugin.engine.wrap.install` puts on a model; empty: nothing wrapped.
 
-    ``summary`` is what the planner wants said when the plan is installed (``ckpt=auto``'s table).
+    ``summary`` is what the planner wants said when the plan is installed (``ckpt=auto``'s table);
+    ``planned`` its own account of the plan (``ckpt=auto``'s ``Plan``: predicted peak and time), for
+    the callback and tools that report it beside what the step then measures.
     """
 
     groups: tuple[Group, ...] = ()
     summary: str = ""
+    planned: Any = None
 
     @property
     def names(self) -> list[str]:

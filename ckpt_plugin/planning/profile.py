@@ -193,18 +193,23 @@ class _Recorder(TorchDispatchMode):
         layers before it (those after it have not run, or in backward have
         already freed theirs), so ``kept[1..i-1] + running[i]`` is what is alive
         then. A tensor that two layers keep (a block that saves its output, the
-        next one's input) counts in both: an upper bound, never an undercount.
+        next one's input) belongs to the later one, which keeps it whatever its
+        option: counted once, whatever the earlier one's option.
         """
         owners: dict[int, set[str]] = defaultdict(set)
         for ev in self.events:
             if ev[0] == "pack":
                 owners[ev[1]].add(ev[2])
         kept_by: dict[str, int] = defaultdict(int)
+        rank = {name: i for i, name in enumerate(self.order)}
         for uid, names in owners.items():
             # Kept by the rest too (the stem's output, also the first layer's input): alive as long
-            # as the rest keeps it, whatever the layer's option, so counted once, in the rest.
-            for name in ({REST} if REST in names else names):
-                kept_by[name] += self.sizes[uid]
+            # as the rest keeps it, whatever the layer's option, so counted once, in the rest. Kept by
+            # two layers (a block that saves its output, the next one's input): counted once, in the
+            # later one, which keeps its input under every option.
+            owner = REST if REST in names else max(names, key=lambda n: rank.get(n, len(rank)))
+            kept_by[owner] += self.sizes[uid]
+            owners[uid] = {owner}
         frozen = {uid: frozenset(names) for uid, names in owners.items()}
         live = peak = 0
         kept_alive: dict[frozenset, int] = defaultdict(int)  # packed and alive, by the set of its owners
@@ -348,7 +353,7 @@ def wrap_plan(chosen: Plan, preserve_rng_state: bool = True) -> WrapPlan:
     """
     how = {option: treatment(option, preserve_rng_state) for option in OPTIONS}
     groups = tuple(EachLayer((name,), how[option]) for name, option in chosen.choices.items() if how[option] is not None)
-    return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}")
+    return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}", planned=chosen)
 
 
 __all__ = [
