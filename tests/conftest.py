@@ -90,3 +90,36 @@ def compose_train(*overrides: str):
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
+
+
+def compiled_backward_bytes(loss: torch.Tensor, model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes, nodes): the unique storages of every ``CompiledFunctionBackward``'s ``saved_tensors``
+    behind ``loss``, parameters and buffers excluded; what compiled graphs keep, read off autograd."""
+    from ckpt_plugin._compat import storage_key
+
+    state = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    seen, total, nodes = set(), 0, 0
+    stack, visited = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            nodes += 1
+            for t in node.saved_tensors:
+                if (key := storage_key(t)) not in state and key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return total, nodes
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: on a shared 2-core machine a second intra-op thread only adds waiting
+    (~8 ms per op to wake it). Bytes and FLOPs do not change."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

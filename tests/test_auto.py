@@ -28,14 +28,7 @@ N_LAYER = 6
 BLOCKS = [f"blocks.{i}" for i in range(N_LAYER)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: on a shared 2-core machine, waking a second intra-op thread for
-    # every op costs ~8 ms and makes a step 100x slower. Bytes and FLOPs do not change.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------- parse_budget

@@ -47,12 +47,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch._dynamo
-from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
+from conftest import compiled_backward_bytes, gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch import nn
 from torch._dynamo.utils import counters
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
-from ckpt_plugin._compat import storage_key
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_plugin.engine.treatment import NAMES_UNDER_COMPILE
 
@@ -86,24 +85,7 @@ def graph_breaks() -> int:
 
 
 def compiled_saved_bytes(loss: torch.Tensor, model: nn.Module) -> int:
-    """Bytes the compiled graphs behind ``loss`` keep for backward: the unique storages of
-    every ``CompiledFunctionBackward`` node's ``saved_tensors``, parameters and buffers excluded."""
-    state = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    seen, total, nodes = set(), 0, 0
-    stack, visited = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            nodes += 1
-            for t in node.saved_tensors:
-                key = storage_key(t)
-                if key not in state and key not in seen:
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
-        stack.extend(next_node for next_node, _ in node.next_functions)
+    total, nodes = compiled_backward_bytes(loss, model)
     assert nodes >= 1, "no compiled function behind the loss: nothing was compiled"
     return total
 

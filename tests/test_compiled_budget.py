@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
+from conftest import compiled_backward_bytes
 
 from ckpt_examples.gpt import GPT
-from ckpt_plugin._compat import storage_key
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_tools.compiled import compiled_run, measure_compiled_budget
 from ckpt_tools.workloads import MODELS
@@ -34,27 +33,6 @@ def quick_gpt() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
     model = GPT(**spec.quick | {"dropout": 0.0})
     model.train()
     return model, spec.batch(model, torch.Generator().manual_seed(1))
-
-
-def backward_node_bytes(loss: torch.Tensor, model: nn.Module) -> tuple[int, int]:
-    """(bytes, nodes): the unique storages of every ``CompiledFunctionBackward``'s ``saved_tensors``
-    behind ``loss``, parameters and buffers excluded; what the compiled graph keeps, read off autograd."""
-    state = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-    seen, total, nodes = set(), 0, 0
-    stack, visited = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            nodes += 1
-            for t in node.saved_tensors:
-                if (key := storage_key(t)) not in state and key not in seen:
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return total, nodes
 
 
 @dataclass
@@ -75,7 +53,7 @@ def results() -> dict[str, Result]:
         model, batch = quick_gpt()
         run = compiled_run(model, batch, budget, backend="aot_eager")
         loss = run.loss_fn(batch)  # compiles, the budget set by the run's own backend
-        node_saved, nodes = backward_node_bytes(loss, model)
+        node_saved, nodes = compiled_backward_bytes(loss, model)
         loss.backward()
         out[name] = Result(loss.detach(), [p.grad.clone() for p in model.parameters()], run.saved_bytes(),
                            node_saved, nodes, run.backend.compiles)

@@ -30,13 +30,7 @@ OPTIONS = {"keep": None, "selective": Treatment(policy=make_policy("matmuls")), 
 BLOCKS = [f"blocks.{i}" for i in range(4)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: a second intra-op thread on a shared 2-core machine only adds waiting.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _measure(model: nn.Module, names: list[str], forward, **kwargs) -> LayerTimes:
@@ -63,7 +57,7 @@ def test_every_layer_and_option_is_timed_and_the_predictions_add_up() -> None:
 
 @pytest.mark.parametrize(("names", "options", "message"), [
     (["blocks.0", "nope"], OPTIONS, r"no module named 'nope' in GPT"),
-    (["blocks.0", "blocks.0.attn"], OPTIONS, r"'blocks.0.attn' is inside 'blocks.0'"),
+    (["blocks.0", "blocks.0.attn"], OPTIONS, r"selected 'blocks.0.attn' inside 'blocks.0'"),
     (BLOCKS, {"full": Treatment()}, r"options must map 'keep' to None and 'full' to a Treatment"),
 ])
 def test_bad_arguments_are_named(names, options, message) -> None:

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info
 
 from ckpt_plugin.config.plan import plan_for
-from ckpt_plugin.config.schema import NoneConfig, as_keys, make_config
+from ckpt_plugin.config.schema import AutoConfig, NoneConfig, as_keys, make_config
 from ckpt_plugin.engine.wrap import install, policy_of, remove_checkpointing
 from ckpt_plugin.lightning.strategies import prepare
 from ckpt_plugin.measure.fake import NotFakeable
@@ -44,6 +44,7 @@ class ActivationCheckpointing(pl.Callback):
         self.config = make_config(**ckpt_keys)
         self.wrapped: list[str] = []  # qualified names wrapped in the current fit
         self.report: WrapReport | None = None
+        self.planned: Any = None  # ckpt=auto's Plan: predicted activation peak and step time
         self._policy: Any = None  # the selective policy until its names are checked
         self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
         self._counting: Any = None  # its hooks, between batch start and backward
@@ -58,9 +59,13 @@ class ActivationCheckpointing(pl.Callback):
             return
         prepare(trainer.strategy, pl_module, self.config)
         forward = self._example_forward(trainer, pl_module)
+        if isinstance(self.config, AutoConfig):
+            rank_zero_info("ckpt=auto: measuring the candidate layers (memory on fake tensors, step time one "
+                           "layer at a time) to plan for ckpt.budget...")
         plan = plan_for(pl_module, self.config, forward)
         if plan.summary:
             rank_zero_info(plan.summary)
+        self.planned = plan.planned
         self.wrapped = install(pl_module, plan)
         self._policy = policy_of(pl_module)
         if forward is None:
@@ -117,6 +122,8 @@ class ActivationCheckpointing(pl.Callback):
         metrics = {"ckpt/saved_activation_bytes": float(self._counter.result.total)}
         if self.report is not None:
             metrics["ckpt/bytes_saved_by_checkpointing"] = float(self.report.without.total - self.report.with_ckpt.total)
+        if self.planned is not None:  # beside what the step measures: what ckpt=auto predicted
+            metrics["ckpt/predicted_activation_peak_bytes"] = float(self.planned.predicted_peak)
         if pl_module.device.type == "cuda":
             metrics["ckpt/cuda_peak_bytes"] = float(torch.cuda.max_memory_allocated(pl_module.device))
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)

@@ -59,7 +59,7 @@ from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
-from ckpt_plugin.planning.timing import LayerTimes, measure_layer_times
+from ckpt_plugin.planning.timing import LayerTimes, check_candidates, measure_layer_times
 from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.engine.policies import make_policy
 from ckpt_plugin.engine.treatment import Treatment
@@ -280,20 +280,6 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
     return recorder
 
 
-def _check_names(model: nn.Module, names: list[str]) -> None:
-    if not names:
-        raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
-                         "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
-    modules = dict(model.named_modules())
-    missing = [n for n in names if n not in modules]
-    if missing:
-        raise ValueError(f"ckpt=auto: no module named {', '.join(map(repr, missing))} in the model")
-    nested = [(a, b) for a in names for b in names if a != b and (a == "" or b.startswith(a + "."))]
-    if nested:
-        raise ValueError(f"ckpt=auto: ckpt.layers selected {nested[0][1]!r} inside {nested[0][0] or 'the model'!r}; "
-                         "the candidate layers must not contain one another")
-
-
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
             timed: bool = False) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
@@ -310,7 +296,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     gradients and wrapping are restored.
     """
     names = list(dict.fromkeys(names))
-    _check_names(model, names)
+    check_candidates(model, names)
     with checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
         recorders = {option: _step(model, names, forward, option, flops=False, fake=mode) for option in OPTIONS}

@@ -161,7 +161,7 @@ def measure_layer_times(
     if "keep" not in options or options["keep"] is not None or options.get("full") is None:
         raise ValueError(f"options must map 'keep' to None and 'full' to a Treatment; got {dict(options)}")
     names = list(dict.fromkeys(names))
-    _check_names(model, names)
+    check_candidates(model, names)
     modules = dict(model.named_modules())
     seconds = {name: dict.fromkeys(options, 0.0) for name in names}
     cache = {} if cache is None else cache
@@ -296,15 +296,19 @@ def _synchronized(model: nn.Module, clock: Callable[[], float]) -> Callable[[], 
     return now
 
 
-def _check_names(model: nn.Module, names: list[str]) -> None:
+def check_candidates(model: nn.Module, names: list[str]) -> None:
+    """``ckpt=auto``'s candidates: at least one, each a module of ``model``, none inside another."""
+    if not names:
+        raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
+                         "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
-        raise ValueError(f"no module named {', '.join(map(repr, missing))} in {type(model).__name__}")
+        raise ValueError(f"ckpt=auto: no module named {', '.join(map(repr, missing))} in {type(model).__name__}")
     nested = [(a, b) for a in names for b in names if a != b and (a == "" or b.startswith(a + "."))]
     if nested:
-        raise ValueError(f"{nested[0][1]!r} is inside {nested[0][0] or 'the model'!r}: "
+        raise ValueError(f"ckpt=auto: ckpt.layers selected {nested[0][1]!r} inside {nested[0][0] or 'the model'!r}; "
                          "the candidate layers must not contain one another")
 
 
-__all__ = ["LayerTimes", "TimingCache", "measure_layer_times"]
+__all__ = ["LayerTimes", "TimingCache", "check_candidates", "measure_layer_times"]
