@@ -83,22 +83,22 @@ def _level(choices) -> int:
     return sum(OPTIONS.index(o) for o in choices)
 
 
-def _all_choices(layers, rest, rest_transient):
+def _all_choices(layers, rest, rest_running):
     """(peak, (seconds, flops, level), choices) of every one of the 3^L choices."""
     out = []
     for combo in itertools.product(*(list(layer.options.items()) for layer in layers)):
         # The peak model written out: while layer i runs, layers 1..i-1 keep and it has its running
         # bytes (which include the rest's keeps); after the last, every layer keeps, plus the rest's.
         before = [0, *itertools.accumulate(c.kept_bytes for _, c in combo)]
-        peak = max([before[-1] + rest_transient] + [k + c.transient_bytes for k, (_, c) in zip(before, combo)])
+        peak = max([before[-1] + rest_running] + [k + c.running_bytes for k, (_, c) in zip(before, combo)])
         seconds = sum(c.seconds for _, c in combo)
         flops = sum(c.recompute_flops for _, c in combo)
         out.append((peak, (seconds, flops, _level(o for o, _ in combo)), tuple(o for o, _ in combo)))
     return out
 
 
-def _check_against_exhaustive(layers, rest, rest_transient, budgets) -> int:
-    everything = _all_choices(layers, rest, rest_transient)
+def _check_against_exhaustive(layers, rest, rest_running, budgets) -> int:
+    everything = _all_choices(layers, rest, rest_running)
     smallest = min(peak for peak, _, _ in everything)
     checked = 0
     for budget in budgets:
@@ -106,9 +106,9 @@ def _check_against_exhaustive(layers, rest, rest_transient, budgets) -> int:
         if not fitting:
             message = rf"ckpt.budget: {budget} bytes .*smallest peak reachable is {smallest} bytes"
             with pytest.raises(ValueError, match=message):
-                plan(layers, rest, budget, rest_transient=rest_transient)
+                plan(layers, rest, budget, rest_running=rest_running)
             continue
-        p = plan(layers, rest, budget, rest_transient=rest_transient)
+        p = plan(layers, rest, budget, rest_running=rest_running)
         chosen = tuple(p.choices[layer.name] for layer in layers)
         peak = next(pk for pk, _, ch in everything if ch == chosen)
         assert (p.recompute_seconds, p.recompute_flops, _level(chosen)) == min(fitting)
@@ -122,8 +122,8 @@ def _random_layers(rng: random.Random, n: int) -> list[LayerProfile]:
     for i in range(n):
         if rng.random() < 0.3:  # anything at all, ties likely
             options = {o: Cost(rng.randint(0, 40), rng.randint(0, 5), rng.randint(0, 40)) for o in OPTIONS}
-            options["keep"] = Cost(options["keep"].kept_bytes, 0, options["keep"].transient_bytes)
-        else:  # shaped like a real layer: less kept, more recompute and a larger transient further right
+            options["keep"] = Cost(options["keep"].kept_bytes, 0, options["keep"].running_bytes)
+        else:  # shaped like a real layer: less kept, more recompute and larger running bytes further right
             keep = rng.randint(40, 100)
             sel = rng.randint(10, keep)
             options = {
@@ -143,11 +143,11 @@ def test_plan_is_optimal_on_random_profiles(n: int) -> None:
     rng = random.Random(n)
     for _ in range(3 if n < 8 else 1):
         layers = _random_layers(rng, n)
-        rest, rest_transient = rng.randint(0, 50), rng.randint(0, 60)
-        peaks = sorted({peak for peak, _, _ in _all_choices(layers, rest, rest_transient)})
+        rest, rest_running = rng.randint(0, 50), rng.randint(0, 60)
+        peaks = sorted({peak for peak, _, _ in _all_choices(layers, rest, rest_running)})
         # Every exact peak is a budget (the boundaries), plus one below the smallest.
         budgets = [peaks[0] - 1] + (peaks if len(peaks) <= 40 else rng.sample(peaks, 40))
-        assert _check_against_exhaustive(layers, rest, rest_transient, budgets) == len(budgets) - 1
+        assert _check_against_exhaustive(layers, rest, rest_running, budgets) == len(budgets) - 1
 
 
 # ---------------------------------------------------------------------- the real GPT
@@ -217,10 +217,10 @@ def test_profile_measures_what_the_package_measures(gpt: dict) -> None:
 
 def test_plan_is_optimal_on_the_gpt_profile(gpt: dict) -> None:
     prof = gpt["profile"]
-    peaks = sorted({peak for peak, _, _ in _all_choices(prof.layers, prof.rest_bytes, prof.rest_transient)})
+    peaks = sorted({peak for peak, _, _ in _all_choices(prof.layers, prof.rest_bytes, prof.rest_running)})
     budgets = [int(f * gpt["act"]) for f in (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)]
     budgets += random.Random(0).sample(peaks, 20) + [peaks[0] - 1, peaks[0]]
-    assert _check_against_exhaustive(prof.layers, prof.rest_bytes, prof.rest_transient, budgets) == len(budgets) - 2
+    assert _check_against_exhaustive(prof.layers, prof.rest_bytes, prof.rest_running, budgets) == len(budgets) - 2
 
 
 def test_more_budget_never_costs_more_recompute(gpt: dict) -> None:
@@ -231,7 +231,7 @@ def test_more_budget_never_costs_more_recompute(gpt: dict) -> None:
 
 def test_an_unreachable_budget_names_the_smallest_peak(gpt: dict) -> None:
     prof = gpt["profile"]
-    smallest = min(peak for peak, _, _ in _all_choices(prof.layers, prof.rest_bytes, prof.rest_transient))
+    smallest = min(peak for peak, _, _ in _all_choices(prof.layers, prof.rest_bytes, prof.rest_running))
     budget = int(0.1 * gpt["act"])
     with pytest.raises(ValueError, match=(
         rf"ckpt.budget: {budget} bytes \(.*, 0.10 of the activation peak without checkpointing, .*\) "
@@ -278,7 +278,7 @@ def test_the_plan_fits_the_budget_for_real(gpt: dict, fraction: float) -> None:
     """Applied to the model, the plan's MemTracker act peak is within budget; gradients bitwise equal."""
     model, prof = gpt["model"], gpt["profile"]
     budget = resolve(parse_budget(fraction), gpt["act"])
-    p = plan(prof.layers, prof.rest_bytes, budget, rest_transient=prof.rest_transient)
+    p = plan(prof.layers, prof.rest_bytes, budget, rest_running=prof.rest_running)
     assert set(p.choices.values()) != {"keep"}
     for name, option in p.choices.items():
         how = _treatment(option)

@@ -35,14 +35,14 @@ class Cost:
     """What one option of one layer costs.
 
     ``kept_bytes``: kept for backward; ``recompute_flops``: recomputed in
-    backward; ``transient_bytes``: alive while it runs beyond what the other
+    backward; ``running_bytes``: alive while it runs beyond what the other
     layers keep (its running bytes, ``profile.py``); ``seconds``: the step
     time the option adds over ``keep`` (0 until ``timing.py`` measures it).
     """
 
     kept_bytes: int
     recompute_flops: int
-    transient_bytes: int
+    running_bytes: int
     seconds: float = 0.0
 
 
@@ -58,12 +58,12 @@ class Profile:
 
     layers: list[LayerProfile]
     rest_bytes: int  # kept for backward outside the candidate layers
-    rest_transient: int  # alive outside the layers at worst beyond the layers' keeps (the rest's running bytes)
+    rest_running: int  # alive outside the layers at worst beyond the layers' keeps (the rest's running bytes)
     no_ckpt_peak: int  # act peak of the step without checkpointing, as measured
     none_seconds: float = 0.0  # the step without checkpointing, predicted from timings (0: not timed)
 
     def plan(self, budget_bytes: int) -> Plan:
-        return plan(self.layers, self.rest_bytes, budget_bytes, rest_transient=self.rest_transient,
+        return plan(self.layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
                     reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
 
 
@@ -109,23 +109,23 @@ def _cost(option: str, cost: Cost) -> tuple[float, int, int]:
 
 
 def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...], rest_bytes: int = 0,
-                   rest_transient: int = 0) -> tuple[int, str]:
+                   rest_running: int = 0) -> tuple[int, str]:
     """The peak model above for one choice of options, and where the peak falls (a layer, or REST).
 
     ``rest_bytes`` is not part of it (the running bytes include the rest's keeps); it is
     accepted for the callers that print it.
     """
     kept, at = 0, REST
-    peak = sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_transient
+    peak = sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_running
     for layer, option in zip(profiles, chosen):
         cost = layer.options[option]
-        if kept + cost.transient_bytes > peak:
-            peak, at = kept + cost.transient_bytes, layer.name
+        if kept + cost.running_bytes > peak:
+            peak, at = kept + cost.running_bytes, layer.name
         kept += cost.kept_bytes
     return peak, at
 
 
-def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_transient: int):
+def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_running: int):
     """(cost, choices) of the least recompute whose peak fits ``budget``, or None.
 
     Frontier entries are (bytes kept so far, cost, choices): bytes ascending, cost
@@ -139,27 +139,27 @@ def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_t
             for kept, (seconds, flops, level), chosen in frontier
             for o, c in layer.options.items()
             for t, f, n in [_cost(o, c)]
-            if kept + c.transient_bytes <= budget
+            if kept + c.running_bytes <= budget
         )
         frontier = []
         for entry in grown:
             if not frontier or entry[1] < frontier[-1][1]:
                 frontier.append(entry)
-    fits = [(cost, chosen) for kept, cost, chosen in frontier if kept + rest_transient <= budget]
+    fits = [(cost, chosen) for kept, cost, chosen in frontier if kept + rest_running <= budget]
     return min(fits) if fits else None
 
 
-def smallest_peak(profiles: list[LayerProfile], rest_bytes: int, rest_transient: int = 0) -> int:
+def smallest_peak(profiles: list[LayerProfile], rest_bytes: int, rest_running: int = 0) -> int:
     """The least predicted peak any choice reaches: a frontier of (bytes kept so far, running peak)."""
     frontier = [(0, 0)]
     for layer in profiles:
-        grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.transient_bytes))
+        grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.running_bytes))
                         for kept, peak in frontier for c in layer.options.values()})
         frontier = []
         for entry in grown:
             if not frontier or entry[1] < frontier[-1][1]:
                 frontier.append(entry)
-    return min(max(peak, kept + rest_transient) for kept, peak in frontier)
+    return min(max(peak, kept + rest_running) for kept, peak in frontier)
 
 
 def plan(
@@ -167,7 +167,7 @@ def plan(
     rest_bytes: int,
     budget_bytes: int,
     *,
-    rest_transient: int = 0,
+    rest_running: int = 0,
     reference_peak: int | None = None,
     none_seconds: float = 0.0,
 ) -> Plan:
@@ -187,13 +187,13 @@ def plan(
         # that two layers keep).
         best = ((0.0, 0, 0), tuple("keep" for _ in profiles))
     else:
-        best = _cheapest(profiles, rest_bytes, budget_bytes, rest_transient)
+        best = _cheapest(profiles, rest_bytes, budget_bytes, rest_running)
     if best is None:
-        smallest = smallest_peak(profiles, rest_bytes, rest_transient)
+        smallest = smallest_peak(profiles, rest_bytes, rest_running)
         # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
         most = tuple("keep" if "keep" in p.options else max(p.options, key=lambda o: p.options[o].kept_bytes)
                      for p in profiles)
-        reference = reference_peak or predicted_peak(profiles, most, rest_bytes, rest_transient)[0]
+        reference = reference_peak or predicted_peak(profiles, most, rest_bytes, rest_running)[0]
         raise ValueError(
             f"ckpt.budget: {budget_bytes} bytes ({format_bytes(budget_bytes)}, {budget_bytes / reference:.2f} of "
             f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
@@ -203,7 +203,7 @@ def plan(
             "or select more layers"
         )
     cost, chosen = best
-    peak, at = predicted_peak(profiles, chosen, rest_bytes, rest_transient)
+    peak, at = predicted_peak(profiles, chosen, rest_bytes, rest_running)
     if reference_peak is not None and set(chosen) == {"keep"}:
         peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
     return Plan(

@@ -305,8 +305,8 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
                  for option in OPTIONS}
     layers = [
         LayerProfile(name, {
-            option: Cost(kept.get(name, 0), flops[option].get(name, 0), transient.get(name, 0))
-            for option, (kept, transient, _peak) in memory.items()
+            option: Cost(kept.get(name, 0), flops[option].get(name, 0), running.get(name, 0))
+            for option, (kept, running, _peak) in memory.items()
         })
         for name in names
     ]
@@ -316,7 +316,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     measured = Profile(
         layers=layers,
         rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),
-        rest_transient=max(transient.get(REST, 0) for _, transient, _ in memory.values()),
+        rest_running=max(running.get(REST, 0) for _, running, _ in memory.values()),
         no_ckpt_peak=memory["keep"][2],
     )
     if not timed:
