@@ -108,12 +108,11 @@ def _cost(option: str, cost: Cost) -> tuple[float, int, int]:
     return cost.seconds, cost.recompute_flops, OPTIONS.index(option) if option in OPTIONS else len(OPTIONS)
 
 
-def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...], rest_bytes: int = 0,
+def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...],
                    rest_running: int = 0) -> tuple[int, str]:
     """The peak model above for one choice of options, and where the peak falls (a layer, or REST).
 
-    ``rest_bytes`` is not part of it (the running bytes include the rest's keeps); it is
-    accepted for the callers that print it.
+    The rest's kept bytes are inside every running-bytes figure, so they take no term of their own.
     """
     kept, at = 0, REST
     peak = sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_running
@@ -125,7 +124,7 @@ def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...], rest_b
     return peak, at
 
 
-def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_running: int):
+def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int):
     """(cost, choices) of the least recompute whose peak fits ``budget``, or None.
 
     Frontier entries are (bytes kept so far, cost, choices): bytes ascending, cost
@@ -149,7 +148,7 @@ def _cheapest(profiles: list[LayerProfile], rest_bytes: int, budget: int, rest_r
     return min(fits) if fits else None
 
 
-def smallest_peak(profiles: list[LayerProfile], rest_bytes: int, rest_running: int = 0) -> int:
+def smallest_peak(profiles: list[LayerProfile], rest_running: int = 0) -> int:
     """The least predicted peak any choice reaches: a frontier of (bytes kept so far, running peak)."""
     frontier = [(0, 0)]
     for layer in profiles:
@@ -187,13 +186,13 @@ def plan(
         # that two layers keep).
         best = ((0.0, 0, 0), tuple("keep" for _ in profiles))
     else:
-        best = _cheapest(profiles, rest_bytes, budget_bytes, rest_running)
+        best = _cheapest(profiles, budget_bytes, rest_running)
     if best is None:
-        smallest = smallest_peak(profiles, rest_bytes, rest_running)
+        smallest = smallest_peak(profiles, rest_running)
         # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
         most = tuple("keep" if "keep" in p.options else max(p.options, key=lambda o: p.options[o].kept_bytes)
                      for p in profiles)
-        reference = reference_peak or predicted_peak(profiles, most, rest_bytes, rest_running)[0]
+        reference = reference_peak or predicted_peak(profiles, most, rest_running)[0]
         raise ValueError(
             f"ckpt.budget: {budget_bytes} bytes ({format_bytes(budget_bytes)}, {budget_bytes / reference:.2f} of "
             f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
@@ -203,7 +202,7 @@ def plan(
             "or select more layers"
         )
     cost, chosen = best
-    peak, at = predicted_peak(profiles, chosen, rest_bytes, rest_running)
+    peak, at = predicted_peak(profiles, chosen, rest_running)
     if reference_peak is not None and set(chosen) == {"keep"}:
         peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
     return Plan(
