@@ -20,6 +20,9 @@ _WHERE = {
     "ActivationCheckpointing": "ckpt_plugin.lightning.callback",
     "ResumableDataLoader": "ckpt_plugin.lightning.resume",
     "ResumableRNG": "ckpt_plugin.lightning.resume",
+    "Preemption": "ckpt_plugin.lightning.preemption",
+    "Preempted": "ckpt_plugin.lightning.preemption",
+    "AtomicCheckpointIO": "ckpt_plugin.lightning.atomic",
     "AutoConfig": "ckpt_plugin.config.schema",
     "FullConfig": "ckpt_plugin.config.schema",
     "NoneConfig": "ckpt_plugin.config.schema",
@@ -77,7 +80,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from ckpt_plugin.engine.sequential import checkpoint_sequential
     from ckpt_plugin.engine.wrap import remove_checkpointing, wrapped_modules
     from ckpt_plugin.errors import ConfigError, Problem
+    from ckpt_plugin.lightning.atomic import AtomicCheckpointIO
     from ckpt_plugin.lightning.callback import ActivationCheckpointing
+    from ckpt_plugin.lightning.preemption import Preempted, Preemption
     from ckpt_plugin.lightning.resume import ResumableDataLoader, ResumableRNG
     from ckpt_plugin.measure.report import WrapReport
     from ckpt_plugin.measure.residuals import SavedActivations, saved_activations

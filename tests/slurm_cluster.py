@@ -68,8 +68,13 @@ SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd.log
+# Preemption as clusters configure it: a job in `urgent` (higher PriorityTier) requeues the jobs in `debug`
+# it needs the CPUs of, after SIGTERM and GraceTime seconds (then SIGKILL).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=5
+PartitionName=urgent Nodes={host} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
 
 
@@ -166,7 +171,7 @@ def _wait_idle(cluster: Cluster, timeout: float = 60.0) -> None:
     while time.monotonic() < deadline:
         proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=cluster.env)
         state = proc.stdout.strip()
-        if state == "idle":
+        if state and set(state.split()) == {"idle"}:  # one line per partition the node is in
             return
         time.sleep(0.2)
     raise RuntimeError(f"the node did not become idle in {timeout:.0f} s (last state {state!r}):\n{cluster.log_tail()}")

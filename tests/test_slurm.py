@@ -55,7 +55,8 @@ def test_launcher_config_extends_the_plugin_schema() -> None:
 def _env(cluster: slurm_cluster.Cluster) -> dict[str, str]:
     # The job inherits this environment (sbatch --export=ALL): the recipe's `python` is this one.
     path = f"{Path(sys.executable).parent}{os.pathsep}{cluster.env['PATH']}"
-    return cluster.env | {"PATH": path, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    faults = str(ROOT / "tests")  # preempt_faults, for the preemption tests' +callbacks overrides
+    return cluster.env | {"PATH": path, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "PYTHONPATH": faults}
 
 
 def _sbatch(cluster, recipe: str, out: Path, options: list[str], overrides: list[str], wait: bool = True):
@@ -90,8 +91,9 @@ def _assert_ranks_trained(text: str, steps: int) -> None:
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in text, text[-3000:]
     assert "All distributed processes registered. Starting with 2 processes" in text
     assert "distributed_backend=gloo" in text
-    # Lightning saw SLURM on both ranks (SLURMEnvironment) and armed the SIGUSR1 requeue handler.
-    assert text.count("SLURM auto-requeueing enabled. Setting signal handlers.") == 2
+    # Lightning saw SLURM (SLURMEnvironment); Preemption switched its in-handler save off before it armed it.
+    assert "Preemption: Lightning's SLURM auto-requeue (a save inside the signal handler" in text
+    assert "SLURM auto-requeueing enabled" not in text
     # The plugin wrapped both TransformerBlocks; rank zero prints its table once.
     table = re.search(r"Activation checkpointing wrapped (\d+) module\(s\) of GPT;.*?\n((?:  .*\n)+)", text)
     assert table and table[1] == "2", text[-3000:]
@@ -126,50 +128,165 @@ def _wait_for(what: str, check, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.skipif(os.environ.get("CKPT_SLURM_REQUEUE") != "1", reason=(
-    "opt-in (CKPT_SLURM_REQUEUE=1): passed in the runs of 2026-11-22 but once hung in CI: the SIGUSR1 "
-    "checkpoint never finished (no 'Handling auto-requeue signal' line) and the job ran into the timeout; "
-    "suspected a collective (Lightning's save barrier, ResumableRNG's all_gather) entered from the signal "
-    "handler while the other rank is inside DDP's all-reduce. Kept out of the default suite until fixed"))
-def test_sigusr1_requeues_and_the_job_resumes(cluster, tmp_path: Path, capsys) -> None:
-    """What --signal=SIGUSR1@90 does before the time limit, sent now: save, requeue, resume, finish."""
-    steps = 150  # ~25 steps/s here: the first start is still training when the signal comes
+# -- preemption: a signal sets a flag, all ranks save at the next step boundary, rank 0 requeues -----------------------
+# Every run below trains the same STEPS steps as the uninterrupted job of the `uninterrupted` fixture and must end
+# with its weights, bitwise. Faults inside a step come from tests/preempt_faults.py (a real os.kill of the rank's own
+# process at a chosen point); signals from outside come from SLURM itself (scancel --signal, a preempting job).
+
+STEPS = 30
+LAST_EVERY = 10  # ModelCheckpoint's last.ckpt, the resume point older than any preemption checkpoint
+PREEMPT = [f"trainer.max_steps={STEPS}", f"callbacks.model_checkpoint.every_n_train_steps={LAST_EVERY}"]
+THROTTLE = "+callbacks.throttle={_target_:preempt_faults.Throttle,seconds:0.05}"  # time for a signal from outside
+SAVING = re.compile(r"Preemption: (.*); saving at step (\d+) on all 2 rank\(s\)")
+
+
+def _fault(name: str, **keys) -> str:
+    """A Hydra override adding a preempt_faults.SendSignal callback."""
+    body = ",".join(f"{k}:{v}" for k, v in keys.items())
+    return f"+callbacks.{name}={{_target_:preempt_faults.SendSignal,{body}}}"
+
+
+def _run_preempted(cluster, out: Path, overrides: list[str], *, during=None, timeout: float = 240.0):
+    """Submit single_node.sbatch, call ``during(job_id)`` once it runs, release every requeue, wait for the end.
+
+    SLURM holds a requeued batch job back for about two minutes (its BeginTime): each time the job is
+    PENDING again with one more restart, it is released at once. Not `sbatch --wait`: that may take the
+    requeue for the end of the job. Returns scontrol's record of the job and everything the job printed.
+    """
     start = time.monotonic()
-    proc = _sbatch(cluster, "single_node.sbatch", tmp_path, [], [f"trainer.max_steps={steps}"], wait=False)
+    proc = _sbatch(cluster, "single_node.sbatch", out, [], [*PREEMPT, *overrides], wait=False)
     assert proc.returncode == 0, proc.stdout
     job_id = proc.stdout.strip().split(";")[0]
+    if during is not None:
+        _wait_for(f"job {job_id} to run", lambda: slurm_cluster.job_info(cluster, job_id)["JobState"] == "RUNNING")
+        during(job_id)
+    released, info = 0, {}
+    deadline = start + timeout
+    while (info := slurm_cluster.job_info(cluster, job_id))["JobState"] not in FINISHED:
+        restarts = int(info.get("Restarts", "0"))
+        if info["JobState"] == "PENDING" and restarts > released:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
+            released = restarts
+        if time.monotonic() > deadline:
+            _, text = _job_output(out)
+            raise AssertionError(f"job {job_id} still {info['JobState']} after {timeout:.0f} s:\n{text[-4000:]}")
+        time.sleep(0.2)
+    _, text = _job_output(out)  # --open-mode=append: every start in one file
+    info["seconds"] = f"{time.monotonic() - start:.1f}"
+    return info, text
 
-    def state() -> dict[str, str]:
-        return slurm_cluster.job_info(cluster, job_id)
 
-    def requeued() -> bool:
-        info = state()
-        return (info["JobState"], info["Restarts"]) == ("PENDING", "1")
+def _final_weights(out: Path) -> dict[str, torch.Tensor]:
+    saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == STEPS
+    return saved["state_dict"]
 
-    last = tmp_path / "checkpoints" / "last.ckpt"
-    _wait_for("the first last.ckpt (step 10)", last.exists)
-    subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)  # to every task of the step
-    _wait_for("the requeue", requeued)
-    # SLURM holds a requeued batch job back for about two minutes (its BeginTime); release it now.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
-    # Not `sbatch --wait`: it may see the requeue as the end of the job and return 0 there.
-    _wait_for("the end of the job", lambda: state()["JobState"] in FINISHED, timeout=300)
-    seconds = time.monotonic() - start
-    info = state()
-    _report(capsys, "requeue", info, seconds)
-    _, text = _job_output(tmp_path)  # --open-mode=append: both starts in one file
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-5000:]
-    # The first start: Lightning's handler saved an hpc checkpoint and requeued the job itself.
-    assert "Handling auto-requeue signal: 10" in text
-    assert f"Requeued SLURM job: {job_id}" in text
-    hpc = torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)
-    assert 10 <= hpc["global_step"] < steps
-    # The second start: ckpt_path=last restored the newer of the two, the hpc checkpoint saved at the
-    # signal (Lightning alone would take last.ckpt, older: ckpt_path set makes it skip hpc checkpoints).
+
+def _assert_finished_like_uninterrupted(info: dict, text: str, out: Path, uninterrupted, restarts: int) -> None:
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", str(restarts)), text[-5000:]
+    assert "Handling auto-requeue signal" not in text  # Lightning's in-handler save never ran
+    assert text.count(STOPPED.format(STEPS)) == 1  # only the last start reached the end
+    weights = _final_weights(out)
+    assert weights.keys() == uninterrupted.keys()
+    differ = [name for name in weights if not torch.equal(weights[name], uninterrupted[name])]
+    assert not differ, f"weights differ from the uninterrupted run's: {differ}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    info, text = _run_preempted(cluster, out, [])
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "0"), text[-5000:]
+    assert "Preemption: Lightning's SLURM auto-requeue (a save inside the signal handler" in text
+    assert "saving at step" not in text
+    return _final_weights(out)
+
+
+def test_requeue_signal_saves_at_a_step_boundary_requeues_and_resumes(cluster, tmp_path: Path, capsys, uninterrupted):
+    """What --signal=SIGUSR1@90 does before the time limit, sent now to every task: save, requeue, resume, finish."""
+
+    def signal_after_first_checkpoint(job_id: str) -> None:
+        _wait_for("the first last.ckpt", (tmp_path / "checkpoints" / "last.ckpt").exists)
+        subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)  # as SLURM does
+
+    info, text = _run_preempted(cluster, tmp_path, [THROTTLE], during=signal_after_first_checkpoint)
+    _report(capsys, "requeue signal", info, float(info["seconds"]))
+    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
+    ((who, step),) = SAVING.findall(text)
+    assert who == "rank 0: SIGUSR1, rank 1: SIGUSR1" and LAST_EVERY <= int(step) < STEPS, text[-3000:]
+    assert f"Preemption: requeued SLURM job {info['JobId']}" in text
+    # The second start resumed from the preemption checkpoint, the newer of it and last.ckpt.
     restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
     assert restored == [str(tmp_path / "hpc_ckpt_1.ckpt")]
-    assert text.count(STOPPED.format(steps)) == 1
-    assert torch.load(last, weights_only=False)["global_step"] == steps
+
+
+def test_sigterm_of_a_preemption_saves_within_the_grace_time_and_the_job_comes_back(
+    cluster, tmp_path: Path, capsys, uninterrupted
+):
+    """A job of the higher-priority partition takes the CPUs: SIGTERM, GraceTime=5, then SIGKILL (slurm_cluster)."""
+
+    def preempt(job_id: str) -> None:
+        _wait_for("the first last.ckpt", (tmp_path / "checkpoints" / "last.ckpt").exists)
+        urgent = ["sbatch", "--parsable", "--partition=urgent", "--ntasks=1", "--output=/dev/null", "--wrap", "true"]
+        subprocess.run(urgent, env=cluster.env, check=True, capture_output=True)
+
+    info, text = _run_preempted(cluster, tmp_path, [THROTTLE], during=preempt)
+    _report(capsys, "preemption", info, float(info["seconds"]))
+    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
+    ((who, _),) = SAVING.findall(text)
+    assert who == "rank 0: SIGTERM, rank 1: SIGTERM", text[-3000:]
+    # Exited before the grace time ended, so SLURM would not requeue it: rank 0 did, seeing PreemptTime set.
+    assert f"Preemption: requeued SLURM job {info['JobId']}" in text
+    assert re.findall(r"Restored all states from the checkpoint at (\S+)", text) == [str(tmp_path / "hpc_ckpt_1.ckpt")]
+
+
+def test_requeued_twice_by_one_rank_in_backward_then_the_other_in_the_optimizer_step(
+    cluster, tmp_path: Path, capsys, uninterrupted
+):
+    faults = [
+        _fault("first", at="backward", step=7, ranks="[0]", start=0),  # rank 1 is in DDP's all-reduce meanwhile
+        _fault("second", at="optimizer_step", step=18, ranks="[1]", start=1),
+    ]
+    info, text = _run_preempted(cluster, tmp_path, faults)
+    _report(capsys, "requeued twice", info, float(info["seconds"]))
+    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=2)
+    # Both ranks stopped at the same boundary, the step each signal landed in.
+    assert SAVING.findall(text) == [("rank 0: SIGUSR1", "8"), ("rank 1: SIGUSR1", "19")], text[-3000:]
+    restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
+    assert restored == [str(tmp_path / "hpc_ckpt_1.ckpt"), str(tmp_path / "hpc_ckpt_2.ckpt")]
+    assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()  # superseded once hpc_ckpt_2 was complete
+
+
+def test_a_signal_during_a_checkpoint_save_is_acted_on_after_it(cluster, tmp_path: Path, capsys, uninterrupted):
+    # ModelCheckpoint saves last.ckpt at the end of step 10; the signal lands inside that save, on both ranks.
+    info, text = _run_preempted(cluster, tmp_path, [_fault("during_save", at="save", step=LAST_EVERY)])
+    _report(capsys, "signal during a save", info, float(info["seconds"]))
+    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
+    assert SAVING.findall(text) == [("rank 0: SIGUSR1, rank 1: SIGUSR1", str(LAST_EVERY + 1))], text[-3000:]
+
+
+def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(cluster, tmp_path: Path, capsys, uninterrupted):
+    """The preemption save stalls half-written; `scontrol requeue` then SIGTERMs and, KillWait later, SIGKILLs it."""
+    partial = tmp_path / ".hpc_ckpt_1.ckpt.partial"
+    seen = {}
+
+    def kill_mid_save(job_id: str) -> None:
+        _wait_for("half of the preemption checkpoint", lambda: partial.exists() and partial.stat().st_size > 0)
+        seen["bytes"] = partial.stat().st_size
+        subprocess.run(["scontrol", "requeue", job_id], env=cluster.env, check=True)
+
+    overrides = [
+        _fault("signal", at="backward", step=13, ranks="[1]"),
+        "trainer.plugins=[{_target_:preempt_faults.StallingCheckpointIO}]",
+    ]
+    info, text = _run_preempted(cluster, tmp_path, overrides, during=kill_mid_save)
+    _report(capsys, "SIGKILL mid-save", info, float(info["seconds"]))
+    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
+    assert seen["bytes"] > 0 and "stalling" in text
+    assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()  # never renamed: nothing half-written under a final name
+    # The second start took the previous complete checkpoint, last.ckpt of step 10, and redid steps 11 to 14.
+    restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
+    assert restored == [str(tmp_path / "checkpoints" / "last.ckpt")]
 
 
 def test_submitit_sweep_runs_one_job_per_value(cluster, tmp_path: Path, capsys) -> None:

@@ -173,21 +173,29 @@ class ResumableRNG(pl.Callback):
 
 
 def latest_checkpoint(trainer: pl.Trainer) -> str | None:
-    """The newer of Lightning's two resume points, or None if there is neither.
+    """The newest complete resume point, or None if there is none.
 
-    ``ModelCheckpoint`` writes ``last.ckpt`` every few steps; on SLURM's warning
-    signal, Lightning's ``SLURMEnvironment`` writes ``hpc_ckpt_<n>.ckpt`` into
-    ``trainer.default_root_dir`` and requeues the job. Lightning 2.6 loads the hpc
+    The candidates: ``ModelCheckpoint``'s ``last.ckpt`` (every few steps) and the
+    highest ``hpc_ckpt_<n>.ckpt`` that ``Preemption`` saved on a signal, in
+    ``trainer.default_root_dir`` or its ``dirpath``. Lightning 2.6 loads an hpc
     checkpoint only when ``ckpt_path`` is None, and ``ckpt_path="last"`` looks at
     ``last.ckpt`` only, so a requeued job would redo the steps since the last
-    ``last.ckpt``. ``recipes/train.py`` resolves ``ckpt_path=last`` with this instead.
+    ``last.ckpt``; ``recipes/train.py`` resolves ``ckpt_path=last`` with this instead.
+    A write that was killed left only a hidden ``.<name>.partial`` (``atomic.py``),
+    which is never a candidate. Files and sharded directories alike.
     """
+    from ckpt_plugin.lightning.preemption import Preemption, hpc_checkpoints
+
     candidates = [
         Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
         for cb in trainer.checkpoint_callbacks
         if isinstance(cb, ModelCheckpoint) and cb.dirpath
     ]
-    hpc = [p for p in Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt") if p.stem.rsplit("_", 1)[1].isdigit()]
-    candidates += sorted(hpc, key=lambda p: int(p.stem.rsplit("_", 1)[1]))[-1:]  # Lightning's own choice of hpc file
-    found = [p for p in candidates if p.is_file()]
+    hpc_dirs = {str(trainer.default_root_dir)} | {
+        str(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, Preemption) and cb.dirpath
+    }
+    for directory in sorted(hpc_dirs):
+        if saved := hpc_checkpoints(directory):
+            candidates.append(saved[max(saved)])  # Lightning's own choice: the highest n
+    found = [p for p in candidates if p.exists()]
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
