@@ -30,8 +30,8 @@ def restart_count() -> int:
 class SendSignal(pl.Callback):
     """Send ``signal`` to this process while step ``step`` (global_step when it begins) is at ``at``.
 
-    ``at``: ``backward`` (from a gradient hook on a parameter in the middle of the model: the
-    autograd engine is mid-graph and, under DDP, buckets are being all-reduced), ``optimizer_step``
+    ``at``: ``backward`` (from a gradient hook on the output of a layer in the middle of the model:
+    the autograd engine is mid-graph and, under DDP, buckets are being all-reduced), ``optimizer_step``
     (from a pre-hook inside ``optimizer.step()``), ``save`` (from ``on_save_checkpoint``, inside
     ``trainer.save_checkpoint``). ``ranks``: which ranks send (None: all). ``start``: in which start
     of a SLURM job (``SLURM_RESTART_COUNT``).
@@ -65,15 +65,20 @@ class SendSignal(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.at == "backward" and self._armed(trainer):
-            params = [p for p in pl_module.parameters() if p.requires_grad]
-            middle = params[len(params) // 2]
-            handle = None
+            # The gradient of the output of a module half-way through the model: a hook on the activation, not
+            # on a parameter (FSDP2 computes with unsharded copies; the sharded parameter sees no autograd hook).
+            layers = [m for m in pl_module.modules() if next(m.parameters(recurse=False), None) is not None]
+            handle = layers[len(layers) // 2].register_forward_hook(self._hook_output)
+            self._forward_hook = handle
 
-            def hook(grad: torch.Tensor) -> None:
-                handle.remove()
-                self._send(trainer)
+    def _hook_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._forward_hook.remove()  # the first forward only, not the recomputation
+        trainer = self._trainer
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: None if self.sent else self._send(trainer))
 
-            handle = middle.register_hook(hook)
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if self.at == "save" and self._armed(trainer):

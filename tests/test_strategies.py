@@ -45,16 +45,19 @@ RUNS = {
 }
 
 
-def run_worker(preset: str, overrides: list[str], out: Path) -> list[dict]:
+def run_worker(preset: str, overrides: list[str], out: Path, returncode: int = 0) -> list[dict]:
+    """Both ranks' results; ``returncode``: the exit code expected (138: stopped by Preemption on SIGUSR1)."""
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(WORKER), preset, str(out), *overrides], capture_output=True,
                           text=True, env=env, cwd=out.parent, timeout=300)
     seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise AssertionError(f"{preset} {overrides} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
+    if proc.returncode != returncode:
+        raise AssertionError(f"{preset} {overrides} exited {proc.returncode}, not {returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     print(f"{preset} {' '.join(overrides)}: {seconds:.1f} s")
+    if returncode != 0:
+        return [{"output": proc.stdout + proc.stderr}]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -86,6 +89,31 @@ def test_same_losses_and_gradients_and_the_recompute_ran(name: str, results) -> 
         assert rank["attn_calls"] == {"plain": N_LAYER * STEPS, "ckpt": 2 * N_LAYER * STEPS}
     # The ranks saw different batches: a real data-parallel run, not one run twice.
     assert ranks[0]["losses"] != ranks[1]["losses"]
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero3", "model_parallel"])
+def test_preemption_saves_the_sharded_checkpoint_together_and_the_resume_is_exact(
+    name: str, results, tmp_path: Path
+) -> None:
+    """A signal in rank 1's backward of step 1: both ranks write their shards at the end of the step, the
+    directory appears whole under its final name, and the resumed run's losses are the uninterrupted run's."""
+    preset, overrides = RUNS[name]
+    if name == "model_parallel":
+        overrides = [*overrides, "trainer.strategy.save_distributed_checkpoint=true"]  # a sharded (DCP) directory
+    resumable = [
+        *overrides, "callbacks=[activation_checkpointing,model_checkpoint]", f"trainer.default_root_dir={tmp_path}",
+        f"callbacks.model_checkpoint.dirpath={tmp_path}/checkpoints", "ckpt_path=last",
+    ]  # fmt: skip
+    fault = "+callbacks.fault={_target_:preempt_faults.SendSignal,at:backward,step:1,ranks:[1]}"
+    (stopped,) = run_worker(preset, [*resumable, fault], tmp_path / "out", returncode=138)
+    assert "Preemption: rank 1: SIGUSR1; saving at step 2 on all 2 rank(s)" in stopped["output"]
+    saved = tmp_path / "hpc_ckpt_1.ckpt"
+    assert saved.is_dir() and len(list(saved.rglob("*"))) > 2  # the strategy's own sharded layout
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nothing partial left
+    resumed = run_worker(preset, resumable, tmp_path / "out")
+    for rank in range(2):
+        assert resumed[rank]["global_step"] == STEPS
+        assert resumed[rank]["losses"] == results(name)[rank]["losses"][2:]  # steps 2 and 3, bitwise
 
 
 def test_zero3_parameters_are_partitioned_while_it_runs(results) -> None:
