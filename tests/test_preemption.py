@@ -206,3 +206,22 @@ def latest_checkpoint_of(directory: Path) -> str | None:
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=directory, save_last=True)],
     )  # fmt: skip
     return latest_checkpoint(trainer)
+
+
+class _Fails(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        raise RuntimeError("a bug in the user's code")
+
+
+def test_after_a_failed_fit_signals_reach_the_handler_that_was_there_before(tmp_path: Path) -> None:
+    """Lightning's teardown may put our handler back (it was there when Lightning registered): disarmed, it passes on."""
+    received: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        with pytest.raises(RuntimeError, match="a bug in the user's code"):
+            _fit(tmp_path, _Fails(), steps=2)
+        signal.raise_signal(signal.SIGUSR1)
+        assert received == [signal.SIGUSR1]
+        assert list(tmp_path.iterdir()) == []  # and nothing was saved for it
+    finally:
+        signal.signal(signal.SIGUSR1, before)

@@ -313,3 +313,49 @@ def test_submitit_sweep_runs_one_job_per_value(cluster, tmp_path: Path, capsys) 
         assert STOPPED.format(3) in log, log[-3000:]
         wrapped[every_n] = int(re.search(r"wrapped (\d+) module\(s\) of GPT", log)[1])
     assert wrapped == {1: 2, 2: 1}  # every block, then every second block of the two
+
+
+def test_a_submitit_job_saves_on_submitits_signal_and_submitit_requeues_it(
+    cluster, tmp_path: Path, capsys, uninterrupted
+):
+    """hydra/launcher=slurm: submitit's SIGUSR2 (its --signal) in rank 1's backward; Preemption saves at the step's
+    end and hands the requeue to submitit's own handler (its resubmission pickle, its timeout count)."""
+    sweep = tmp_path / "sweep"
+    job_dir = "${hydra:runtime.output_dir}"  # one checkpoint directory per job of the sweep
+    cmd = [
+        sys.executable, str(RECIPE), "--multirun", "hydra/launcher=slurm", f"hydra.sweep.dir={sweep}",
+        "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1", "hydra.launcher.tasks_per_node=2",
+        "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", *TINY, *PREEMPT,
+        "callbacks=[activation_checkpointing,model_checkpoint]", f"callbacks.model_checkpoint.dirpath={job_dir}/checkpoints",
+        f"++trainer.default_root_dir={job_dir}", "ckpt_path=last",
+        _fault("usr2", at="backward", step=7, ranks="[1]", signal="SIGUSR2"),
+    ]  # fmt: skip
+    start = time.monotonic()
+    with open(tmp_path / "multirun.out", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(cluster), stdout=log, stderr=subprocess.STDOUT)
+        deadline = start + 300
+        while proc.poll() is None:  # release the requeued job from SLURM's two-minute hold, as above
+            queue = subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%i %r"], capture_output=True, text=True,
+                                   env=cluster.env).stdout.split("\n")  # fmt: skip
+            for job_id, reason in (line.split() for line in queue if line.strip()):
+                if reason == "BeginTime":
+                    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env)
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the sweep did not end in 300 s:\n{(tmp_path / 'multirun.out').read_text()[-4000:]}")
+            time.sleep(0.2)
+    with capsys.disabled():
+        print(f"\nsubmitit job preempted once: {time.monotonic() - start:.1f} s")
+    assert proc.returncode == 0, (tmp_path / "multirun.out").read_text()[-5000:]
+    (err,) = (sweep / ".submitit").glob("*/*_0_log.err")  # rank 0; --open-mode=append: both starts
+    text = err.read_text()
+    assert SAVING.findall(text) == [("rank 1: SIGUSR2", "8")], text[-4000:]
+    assert "Preemption: submitit launched this job; its handler requeues it" in text
+    out = err.with_name(err.name.replace(".err", ".out")).read_text()
+    # submitit's own handler ran, called by Preemption after the save, and requeued the job.
+    assert "Caught signal SIGUSR2" in out and f"Requeued job {err.parent.name}" in out, out[-3000:]
+    restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
+    assert restored == [str(sweep / "0" / "hpc_ckpt_1.ckpt")], text[-4000:]
+    saved = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == STEPS
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in uninterrupted.items())
