@@ -225,3 +225,4 @@ def test_after_a_failed_fit_signals_reach_the_handler_that_was_there_before(tmp_
         assert list(tmp_path.iterdir()) == []  # and nothing was saved for it
     finally:
         signal.signal(signal.SIGUSR1, before)
+
