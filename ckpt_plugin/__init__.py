@@ -18,7 +18,6 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _WHERE = {
     "ActivationCheckpointing": "ckpt_plugin.lightning.callback",
-    "ResumableDataLoader": "ckpt_plugin.lightning.resume",
     "ResumableRNG": "ckpt_plugin.lightning.resume",
     "Preemption": "ckpt_plugin.lightning.preemption",
     "Preempted": "ckpt_plugin.lightning.preemption",
@@ -83,6 +82,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from ckpt_plugin.lightning.atomic import AtomicCheckpointIO
     from ckpt_plugin.lightning.callback import ActivationCheckpointing
     from ckpt_plugin.lightning.preemption import Preempted, Preemption
-    from ckpt_plugin.lightning.resume import ResumableDataLoader, ResumableRNG
+    from ckpt_plugin.lightning.resume import ResumableRNG
     from ckpt_plugin.measure.report import WrapReport
     from ckpt_plugin.measure.residuals import SavedActivations, saved_activations

@@ -2,15 +2,18 @@
 ``ckpt_path=last`` goes on with exactly the losses of a run never interrupted.
 
 The recipe runs as a user runs it (real Hydra, real Lightning, DDP over gloo on
-CPU), dropout on. The kill lands at a random step, drawn from a seed printed
-with the results; ``CKPT_RESUME_SEED=<seed> pytest tests/test_resume.py``
-replays it. Epochs are 6 steps and last.ckpt is written every 3, so the resume
-point is mid-epoch or on an epoch's last batch depending on the draw.
+CPU), dropout on, once loading in the training process and once in 2 workers
+per rank (``data.num_workers`` 0 and 2). The kill lands at a random step, drawn
+from a seed printed with the results; ``CKPT_RESUME_SEED=<seed> pytest
+tests/test_resume.py`` replays it. Epochs are 6 steps and last.ckpt is written
+every 3, so the resume point is mid-epoch or on an epoch's last batch depending
+on the draw.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import os
 import random
 import signal
@@ -25,9 +28,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import RECIPE
-from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from torch.utils.data import Dataset, DistributedSampler
+from torchdata.stateful_dataloader.sampler import BatchSampler
 
-from ckpt_plugin.lightning.resume import ResumableDataLoader, ResumableRNG
+from ckpt_examples.data import EpochAwareDataLoader
+from ckpt_plugin.lightning.resume import ResumableRNG
 
 MAX_STEPS = 16
 EVERY = 3  # last.ckpt every 3 optimizer steps
@@ -44,19 +50,20 @@ NO_LAST = 'ckpt_path="last") is set, but there is no last checkpoint available'
 NOT_RESUMABLE = "your dataloader is not resumable"
 
 
-def _command(logs: str) -> list[str]:
+def _command(logs: str, workers: int) -> list[str]:
     # Each start logs to its own folder (one metrics.csv each); checkpoints/ is the same for the killed run's restart.
     csv_logger = "_target_:lightning.pytorch.loggers.CSVLogger,name:'',version:'',flush_logs_every_n_steps:1"
     logger = f"{{{csv_logger},save_dir:{logs}}}"  # flushed every step: the kill watches it
-    return [sys.executable, str(RECIPE), f"hydra.run.dir=hydra/{logs}", *RUN, f"trainer.logger={logger}"]
+    run = [*RUN, f"data.num_workers={workers}", f"trainer.logger={logger}"]
+    return [sys.executable, str(RECIPE), f"hydra.run.dir=hydra/{logs}", *run]
 
 
-def _start(cwd: Path, logs: str) -> subprocess.Popen:
+def _start(cwd: Path, logs: str, workers: int) -> subprocess.Popen:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     with open(cwd / f"{logs}.out", "w") as out:  # the child keeps its own copy of the file
-        # A session of its own: rank 1 is rank 0's child, and SIGKILL to the group takes both.
+        # A session of its own: rank 1 is rank 0's child, the loader workers theirs; SIGKILL to the group takes all.
         return subprocess.Popen(
-            _command(logs), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            _command(logs, workers), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
 
@@ -97,6 +104,7 @@ def _kill_group_at(proc: subprocess.Popen, csv_file: Path, step: int) -> int:
 
 @dataclass
 class Runs:
+    workers: int  # data.num_workers
     seed: int
     kill_step: int  # the step after whose log the kill was sent
     uninterrupted: dict[int, str]
@@ -109,26 +117,30 @@ class Runs:
 
     def __str__(self) -> str:
         end = "the last batch of an epoch" if self.resume_step % EPOCH == 0 else "mid-epoch"
-        return f"seed {self.seed}: killed after step {self.kill_step}, resumed from step {self.resume_step} ({end})"
+        killed = f"killed after step {self.kill_step}, resumed from step {self.resume_step} ({end})"
+        return f"num_workers={self.workers}, seed {self.seed}: {killed}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+# Loading in the training process, and in worker processes (whose base seed and queued batches the state holds).
+@pytest.fixture(scope="module", params=[0, 2], ids=lambda n: f"num_workers={n}")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    workers = request.param
     seed = int(os.environ.get("CKPT_RESUME_SEED", time.time_ns() % 1_000_000))
     kill_step = random.Random(seed).randint(EVERY + 1, MAX_STEPS - 3)  # after one last.ckpt, well before the end
     print(f"test_resume: seed {seed} (CKPT_RESUME_SEED={seed} replays it), kill after step {kill_step}")
 
     plain = tmp_path_factory.mktemp("uninterrupted")
-    uninterrupted = _finish(_start(plain, "logs"), plain, "logs")
+    uninterrupted = _finish(_start(plain, "logs", workers), plain, "logs")
     assert NO_LAST in uninterrupted
 
     cwd = tmp_path_factory.mktemp("killed")
-    proc = _start(cwd, "logs_killed")
+    proc = _start(cwd, "logs_killed", workers)
     _kill_group_at(proc, cwd / "logs_killed" / "metrics.csv", kill_step)
     resume_step = torch.load(cwd / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    resumed_out = _finish(_start(cwd, "logs_resumed"), cwd, "logs_resumed")
+    resumed_out = _finish(_start(cwd, "logs_resumed", workers), cwd, "logs_resumed")
 
     result = Runs(
+        workers=workers,
         seed=seed,
         kill_step=kill_step,
         uninterrupted=_losses(plain / "logs" / "metrics.csv"),
@@ -167,58 +179,72 @@ def test_ckpt_path_last_without_a_checkpoint_starts_afresh(runs: Runs) -> None:
 
 # -- the two pieces in-process: fast, and every case rather than one random draw --------------------------------------
 
-DATA = TensorDataset(torch.arange(42))  # 7 batches an epoch for each kind of loader below
+class _Indexed(Dataset):
+    """Each sample's index and the seed of the process that read it: batches show the order and the worker seeding."""
+
+    def __len__(self) -> int:
+        return 42  # 7 batches an epoch for each kind of loader below
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, torch.initial_seed() % 2**62  # a worker's: its base seed + its id; fits collate's int64
 
 
-def _loader(kind: str) -> ResumableDataLoader:
-    if kind == "distributed":  # as Lightning injects it under DDP; shuffled, so that the sampler's epoch matters
+DATA = _Indexed()
+
+
+def _loader(kind: str, workers: int) -> EpochAwareDataLoader:
+    if kind == "distributed":
+        # As Lightning rebuilds it under DDP: torchdata's BatchSampler around a shuffled DistributedSampler, so that
+        # the sampler's epoch matters (and ``loader.sampler`` is left a SequentialSampler).
         sampler = DistributedSampler(DATA, num_replicas=2, rank=1, shuffle=True, seed=3)
-        return ResumableDataLoader(DATA, batch_size=3, sampler=sampler)
-    return ResumableDataLoader(DATA, batch_size=6, shuffle=kind == "shuffled")
+        return EpochAwareDataLoader(DATA, batch_sampler=BatchSampler(sampler, 3, False), num_workers=workers)
+    return EpochAwareDataLoader(DATA, batch_size=6, num_workers=workers)
 
 
-def _batches(loader: ResumableDataLoader, kind: str, start: int, stop: int) -> list[list[int]]:
+def _batches(loader: EpochAwareDataLoader, start: int, stop: int) -> list[list[list[int]]]:
     """Batches ``start`` to ``stop`` (counted across epochs), drawn as Lightning's fit loop draws them."""
     epoch, out = start // len(loader), []
     it = iter(loader)  # on (re)start: iter() first (FitLoop.setup_data), the sampler's epoch after
-    if kind == "distributed":
-        loader.sampler.set_epoch(epoch)
+    _set_sampler_epoch(loader, epoch)
     for i in range(start, stop):
         if i > start and i % len(loader) == 0:  # an epoch is len() batches: the loop never meets StopIteration
             epoch += 1
-            if kind == "distributed":
-                loader.sampler.set_epoch(epoch)  # between epochs: the sampler's epoch first, then iter()
+            _set_sampler_epoch(loader, epoch)  # between epochs: the sampler's epoch first, then iter()
             it = iter(loader)
-        out.append(next(it)[0].tolist())
+        out.append([column.tolist() for column in next(it)])
     return out
 
 
-@pytest.mark.parametrize("kind", ["sequential", "shuffled", "distributed"])
+@pytest.mark.parametrize("workers", [0, 2], ids=lambda n: f"num_workers={n}")
+@pytest.mark.parametrize("kind", ["sequential", "distributed"])
 @pytest.mark.parametrize("stops", [[5], [7], [14], [3, 5], [8, 17]], ids=lambda s: "-".join(map(str, s)))
-def test_loader_resumes_where_it_stopped(kind: str, stops: list[int]) -> None:
+def test_loader_resumes_where_it_stopped(kind: str, workers: int, stops: list[int]) -> None:
     """Killed after ``stops[0]`` batches (7: an epoch's last), restored, maybe killed and restored again."""
     torch.manual_seed(0)
-    expected = _batches(_loader(kind), kind, 0, 21)
-    seen: list[list[int]] = []
+    expected = _batches(_loader(kind, workers), 0, 21)
+    seen: list[list[list[int]]] = []
     state, done = None, 0
     for stop in [*stops, 21]:
         torch.manual_seed(0)  # a restarted process: the same seed, then draws of its own before the loader is made
         torch.rand(stop)
-        loader = _loader(kind)
+        loader = _loader(kind, workers)
         if state is not None:
-            loader.load_state_dict(state)
-        seen += _batches(loader, kind, done, stop)
+            loader.load_state_dict(torch.load(_saved(state), weights_only=True))  # as Lightning loads a checkpoint
+        seen += _batches(loader, done, stop)
         done, state = stop, loader.state_dict()
     assert seen == expected
 
 
-def test_loader_refuses_an_iterable_dataset() -> None:
-    class Stream(IterableDataset):
-        def __iter__(self):
-            yield from range(3)
+def test_loader_refuses_shuffle() -> None:
+    with pytest.raises(ValueError, match=r"EpochAwareDataLoader\(shuffle=True\) would not resume exactly"):
+        EpochAwareDataLoader(DATA, batch_size=6, shuffle=True)
 
-    with pytest.raises(ValueError, match="needs a map-style dataset; got the IterableDataset Stream"):
-        ResumableDataLoader(Stream())
+
+def _saved(obj: object) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def _draws() -> tuple[torch.Tensor, list[float], float]:

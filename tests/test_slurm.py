@@ -173,6 +173,7 @@ def _run_preempted(cluster, out: Path, overrides: list[str], *, during=None, tim
         time.sleep(0.2)
     _, text = _job_output(out)  # --open-mode=append: every start in one file
     info["seconds"] = f"{time.monotonic() - start:.1f}"
+    info["log_tail"] = cluster.log_tail(30)  # the daemons' view, for a failure message
     return info, text
 
 
@@ -183,7 +184,8 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 def _assert_finished_like_uninterrupted(info: dict, text: str, out: Path, uninterrupted, restarts: int) -> None:
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", str(restarts)), text[-5000:]
+    state = (info["JobState"], info["ExitCode"], info["Restarts"])
+    assert state == ("COMPLETED", "0:0", str(restarts)), f"{text[-5000:]}\n{info.get('log_tail', '')}"
     assert "Handling auto-requeue signal" not in text  # Lightning's in-handler save never ran
     assert text.count(STOPPED.format(STEPS)) == 1  # only the last start reached the end
     weights = _final_weights(out)

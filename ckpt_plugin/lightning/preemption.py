@@ -32,7 +32,9 @@ What this callback does instead:
    ``PreemptTime``): SLURM requeues a preempted job itself only if it is still
    running when the grace time ends, and ours has already exited. After
    ``scancel`` or at the time limit nothing is requeued.
-5. Every rank raises :class:`Preempted` (a ``SystemExit`` with code 128 + the
+5. Rank 0, if it requeued, waits (at most a minute) for the SIGTERM with which
+   SLURM ends the requeued start, so that the batch script cannot end first.
+   Every rank raises :class:`Preempted` (a ``SystemExit`` with code 128 + the
    signal, as a shell reports a death by signal), which ends ``fit`` through
    Lightning's own exception path: nothing after ``fit`` runs on a half-trained model.
 
@@ -48,6 +50,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -141,6 +144,7 @@ class Preemption(pl.Callback):
         self.requeue = requeue
         self._signal: signal.Signals | None = None  # resolved in setup
         self._received: set[int] = set()  # written by the handler: nothing else happens in it
+        self._last_term = 0.0  # time.monotonic() of the latest SIGTERM, also written by the handler
         self._previous: dict[int, Any] = {}  # the handlers we replaced, to restore or to pass signals on to
         self._armed = False
         self._checked_step = -1
@@ -150,6 +154,8 @@ class Preemption(pl.Callback):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
             self._received.add(signum)  # no I/O here: a print can raise "reentrant call" mid-write
+            if signum == signal.SIGTERM:
+                self._last_term = time.monotonic()
             return
         # Outside training (after fit ended with an error): behave as if we were never installed.
         previous = self._previous.get(signum, signal.SIG_DFL)
@@ -218,8 +224,8 @@ class Preemption(pl.Callback):
         )
         rank_zero_info(f"Preemption: {who}; saving at step {trainer.global_step} on all {len(received)} rank(s)")
         path = self._save(trainer)
-        if trainer.is_global_zero:
-            self._requeue(signum, requeue_signal=requeue_wanted)
+        if trainer.is_global_zero and self._requeue(signum, requeue_signal=requeue_wanted):
+            self._await_slurm(since=time.monotonic())
         raise Preempted(signum, path)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -272,19 +278,35 @@ class Preemption(pl.Callback):
         rank_zero_info(f"Preemption: saved {final}")
         return final
 
-    def _requeue(self, signum: int, requeue_signal: bool) -> None:
-        """Rank 0, after the save: requeue on the requeue signal, or on SIGTERM when SLURM is preempting the job."""
+    def _await_slurm(self, since: float, timeout: float = 60.0) -> None:
+        """After ``scontrol requeue``, leave the ending of this start to SLURM: wait for its SIGTERM (bounded).
+
+        Exiting at once, the batch script ended before SLURM's kill, and once in 20 runs here the requeued job
+        ended FAILED instead of pending again. Waiting for the kill leaves SLURM in charge of the order, as
+        Lightning's handler does by training on. The other ranks may exit meanwhile: srun's step, and so the
+        script, lasts while this rank does.
+        """
+        rank_zero_info("Preemption: waiting for SLURM to end this start of the requeued job")
+        deadline = since + timeout
+        while self._last_term <= since and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _requeue(self, signum: int, requeue_signal: bool) -> bool:
+        """Rank 0, after the save: requeue on the requeue signal, or on SIGTERM when SLURM is preempting the job.
+
+        True when ``scontrol requeue`` succeeded (SLURM will now end this start).
+        """
         if requeue_signal and _launched_by_submitit() and callable(previous := self._previous.get(signum)):
             # submitit's own handler decides (timeouts left, its pickled resubmission) and requeues; called here,
             # after the save, not from inside a signal.
             rank_zero_info("Preemption: submitit launched this job; its handler requeues it")
-            previous(signum, None)
-            return
+            previous(signum, None)  # requeues and exits (SystemExit) unless it raises why not
+            return False
         job = _slurm_job_id()
         wanted = self.requeue if self.requeue is not None else job is not None
         if not wanted or job is None:
             rank_zero_info("Preemption: not requeueing (not in a SLURM job, or requeue=False); run the same command to resume")
-            return
+            return False
         if not requeue_signal:
             # SIGTERM alone: scancel (the job is COMPLETING), the time limit, `scontrol requeue` (already requeued),
             # or preemption. A preempted job is requeued by SLURM only if it is still running when the grace time
@@ -294,19 +316,20 @@ class Preemption(pl.Callback):
             if not (state.get("JobState") == "RUNNING" and state.get("PreemptTime", "None") != "None"):
                 rank_zero_info(f"Preemption: SIGTERM, and job {job} is not being preempted "
                                f"(JobState={state.get('JobState')}); not requeueing")  # fmt: skip
-                return
+                return False
         try:
             proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as err:
             rank_zero_warn(f"Preemption: `scontrol requeue {job}` failed ({err}); the checkpoint is saved, resume by hand")
-            return
+            return False
         if proc.returncode == 0:
             rank_zero_info(f"Preemption: requeued SLURM job {job}")
-        else:
-            rank_zero_warn(
-                f"Preemption: `scontrol requeue {job}` exited {proc.returncode}: {proc.stderr.strip()} "
-                "(is the job submitted with --requeue?); the checkpoint is saved, resume by hand"
-            )
+            return True
+        rank_zero_warn(
+            f"Preemption: `scontrol requeue {job}` exited {proc.returncode}: {proc.stderr.strip()} "
+            "(is the job submitted with --requeue?); the checkpoint is saved, resume by hand"
+        )
+        return False
 
 
 def _job_state(job: str) -> dict[str, str]:

@@ -1,32 +1,33 @@
-"""Exact resume from a mid-epoch checkpoint: the two states Lightning's checkpoint leaves out.
+"""Exact resume from a mid-epoch checkpoint: the random streams, which Lightning's checkpoint leaves out.
 
     python recipes/train.py 'callbacks=[activation_checkpointing,model_checkpoint]' ckpt_path=last
 
-A Lightning (2.6) checkpoint holds the weights, the optimizer, the loop counters
-and each callback's ``state_dict``. A run killed mid-epoch and resumed from it
-still drifts from one never interrupted, for two reasons:
+A Lightning (2.6) checkpoint holds the weights, the optimizer, the loop counters,
+each callback's ``state_dict`` and, under ``loops``, the ``state_dict`` of every
+train loader that has one (``CombinedLoader._state_dicts``). A run killed
+mid-epoch and resumed from it still drifts from one never interrupted unless two
+more things come back:
 
-- **The dataloader starts the epoch again.** The fit loop saves a train
-  loader's position only if the loader itself has ``state_dict`` and
-  ``load_state_dict`` (``CombinedLoader._state_dicts``); a plain ``DataLoader``
-  replays the epoch from its first batch, and Lightning warns "your dataloader
-  is not resumable". ``ResumableDataLoader`` counts the batches it has handed
-  out this epoch and, once restored, skips as many.
-- **The random streams start from the seed again.** Lightning saves no RNG
-  state, so dropout masks after the resume are those of the run's first steps.
-  ``ResumableRNG`` saves the torch (CPU and the rank's GPU), numpy and Python
-  generators of every rank and gives each rank its own back.
+- **The dataloader's position.** A plain ``DataLoader`` replays the epoch from
+  its first batch, and Lightning warns "your dataloader is not resumable".
+  torchdata's ``StatefulDataLoader`` saves where it stood, with its workers' base
+  seed; the example ``TextData`` and ``ImageData`` hand out one
+  (``ckpt_examples.data.EpochAwareDataLoader``, which adds the sampler's epoch
+  and its generator: Lightning#21938, torchdata#1513).
+- **The random streams.** Lightning saves no RNG state, so dropout masks after
+  the resume are those of the run's first steps. ``ResumableRNG`` saves the
+  torch (CPU and the rank's GPU), numpy and Python generators of every rank and
+  gives each rank its own back.
 
-Both are in ``callbacks=model_checkpoint`` (the callback) and the example
-``TextData`` (the loader); with them the resumed losses equal the uninterrupted
-run's bit for bit (``tests/test_resume.py``: 2 processes, SIGKILL, resume).
+With both (``callbacks=model_checkpoint`` brings the callback) the resumed losses
+equal the uninterrupted run's bit for bit, with ``data.num_workers`` 0 or 2
+(``tests/test_resume.py``: 2 processes, SIGKILL, resume).
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,80 +36,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["ResumableDataLoader", "ResumableRNG", "latest_checkpoint"]
-
-
-class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a map-style dataset that Lightning resumes mid-epoch.
-
-    Under DDP Lightning builds a new loader of this class with the same
-    arguments and a ``DistributedSampler``, and loads the checkpoint's state
-    into that one. The state is the batches handed out in the current epoch,
-    the same on every rank (``DistributedSampler`` gives each rank as many), so
-    the one state rank 0 writes fits all; with it go the sampler's epoch and
-    the loader's own generator (see ``__init__``; under DDP it only seeds
-    workers, and rank 0's serves every rank).
-
-    Skipped batches are read and dropped, not skipped by index: simple, and
-    cheap for in-memory data. A loader whose batches are costly to read would
-    rather skip indices, as torchdata's ``StatefulDataLoader`` does.
-    """
-
-    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(dataset, IterableDataset):
-            raise ValueError(
-                f"ResumableDataLoader needs a map-style dataset; got the IterableDataset {type(dataset).__name__}, "
-                "whose position only the dataset itself can save (torchdata's StatefulDataLoader)"
-            )
-        if kwargs.get("generator") is None:
-            # iter() draws the workers' base seed (and a RandomSampler its order) from this generator: without
-            # one, from torch's global one, at a point a resumed run reaches before ResumableRNG restores it.
-            kwargs["generator"] = torch.Generator().manual_seed(torch.initial_seed())
-        super().__init__(dataset, *args, **kwargs)
-        self._yielded = 0  # batches handed out in the current epoch
-        self._generator_at_iter = self.generator.get_state()  # before the current epoch's iter() drew from it
-        self._to_load: dict[str, Any] | None = None  # from load_state_dict until the next iter()
-
-    def __iter__(self) -> Iterator[Any]:
-        skip = 0
-        if self._to_load is not None:
-            state, self._to_load = self._to_load, None
-            # A checkpoint on an epoch's last batch holds len(self): the restored run starts the next epoch whole.
-            skip = state["batches_yielded"] % len(self) if len(self) else 0
-            self.generator.set_state(state["generator_at_iter"] if skip else state["generator"])
-            if skip and hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(state["sampler_epoch"])  # Lightning sets it after iter(), too late for skipping
-        self._generator_at_iter = self.generator.get_state()
-        batches = super().__iter__()
-        # Skipped here, before ResumableRNG restores the RNG: what a dataset draws for them was drawn before the save.
-        for _ in range(skip):
-            next(batches)
-        self._yielded = skip
-        return self._counted(batches)
-
-    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for batch in batches:
-            self._yielded += 1
-            yield batch
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "batches_yielded": self._yielded,
-            "sampler_epoch": getattr(self.sampler, "epoch", 0),  # DistributedSampler's, set by Lightning
-            "generator_at_iter": self._generator_at_iter,
-            "generator": self.generator.get_state(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._to_load = state_dict
+__all__ = ["ResumableRNG", "latest_checkpoint"]
 
 
 class ResumableRNG(pl.Callback):
     """Save every rank's random generators in the checkpoint; give each its own back on resume.
 
     >>> trainer = Trainer(callbacks=[ModelCheckpoint(save_last=True), ResumableRNG()])
+
+    Lightning 2.6 still needs it: ``CheckpointConnector.dump_checkpoint`` writes no RNG state (only the spawn
+    launcher carries generator states, into the processes it starts).
 
     Rank 0 writes the checkpoint, but each rank draws its own dropout masks, so
     ``state_dict`` gathers the states of all ranks (a collective: every rank
