@@ -121,6 +121,9 @@ class Runs:
         return f"num_workers={self.workers}, seed {self.seed}: {killed}"
 
 
+_UNINTERRUPTED: dict[str, Path] = {}  # the run never killed, with num_workers=0
+
+
 # Loading in the training process, and in worker processes (whose base seed and queued batches the state holds).
 @pytest.fixture(scope="module", params=[0, 2], ids=lambda n: f"num_workers={n}")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
@@ -129,9 +132,10 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     kill_step = random.Random(seed).randint(EVERY + 1, MAX_STEPS - 3)  # after one last.ckpt, well before the end
     print(f"test_resume: seed {seed} (CKPT_RESUME_SEED={seed} replays it), kill after step {kill_step}")
 
-    plain = tmp_path_factory.mktemp("uninterrupted")
-    uninterrupted = _finish(_start(plain, "logs", workers), plain, "logs")
-    assert NO_LAST in uninterrupted
+    plain = _UNINTERRUPTED.get("dir")
+    if plain is None:  # one uninterrupted run serves both: worker processes change no number (asserted below)
+        plain = _UNINTERRUPTED["dir"] = tmp_path_factory.mktemp("uninterrupted")
+        assert NO_LAST in _finish(_start(plain, "logs", 0), plain, "logs")
 
     cwd = tmp_path_factory.mktemp("killed")
     proc = _start(cwd, "logs_killed", workers)
@@ -174,6 +178,7 @@ def test_resume_started_mid_training_from_the_killed_runs_checkpoint(runs: Runs)
 def test_ckpt_path_last_without_a_checkpoint_starts_afresh(runs: Runs) -> None:
     assert NO_LAST in runs.killed_out, runs
     assert min(runs.killed) == 0, runs
+    # Equal to the uninterrupted run's (num_workers=0) also with num_workers=2: workers change no number.
     assert runs.killed == {s: runs.uninterrupted[s] for s in runs.killed}, runs
 
 

@@ -4,6 +4,11 @@ A module fixture brings up munged, slurmctld and slurmd (tests/slurm_cluster.py)
 submits as a user would, with the command-line options that fit a CPU node (two tasks, one
 core each, no GPUs) and a tiny model, then reads what the job wrote. Skipped, with the reason,
 where a local SLURM cannot run (not root; not installed and installing not allowed).
+
+The preemption tests send every signal a job meets (SIGUSR1 before the time limit, SIGTERM of
+a real preemption, signals inside backward, the optimizer step and a save, to one rank only,
+SIGKILL mid-save, two requeues, submitit's own signal) and require the weights of an
+uninterrupted run at the end. ``python tests/slurm_loop.py`` repeats one of them N times.
 """
 
 from __future__ import annotations
@@ -140,6 +145,11 @@ THROTTLE = "+callbacks.throttle={_target_:preempt_faults.Throttle,seconds:0.05}"
 SAVING = re.compile(r"Preemption: (.*); saving at step (\d+) on all 2 rank\(s\)")
 
 
+def _only(who: str, signal_name: str) -> bool:
+    """Whether Preemption's "rank 0: X, rank 1: X" names one or both ranks, each with ``signal_name`` alone."""
+    return re.fullmatch(rf"rank [01]: {signal_name}(, rank 1: {signal_name})?", who) is not None
+
+
 def _fault(name: str, **keys) -> str:
     """A Hydra override adding a preempt_faults.SendSignal callback."""
     body = ",".join(f"{k}:{v}" for k, v in keys.items())
@@ -215,7 +225,8 @@ def test_requeue_signal_saves_at_a_step_boundary_requeues_and_resumes(cluster, t
     _report(capsys, "requeue signal", info, float(info["seconds"]))
     _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
     ((who, step),) = SAVING.findall(text)
-    assert who == "rank 0: SIGUSR1, rank 1: SIGUSR1" and LAST_EVERY <= int(step) < STEPS, text[-3000:]
+    # scancel signals the tasks one after the other: at the boundary one rank may have it, and all stop there.
+    assert _only(who, "SIGUSR1") and LAST_EVERY <= int(step) < STEPS, text[-3000:]
     assert f"Preemption: requeued SLURM job {info['JobId']}" in text
     # The second start resumed from the preemption checkpoint, the newer of it and last.ckpt.
     restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
@@ -236,7 +247,7 @@ def test_sigterm_of_a_preemption_saves_within_the_grace_time_and_the_job_comes_b
     _report(capsys, "preemption", info, float(info["seconds"]))
     _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
     ((who, _),) = SAVING.findall(text)
-    assert who == "rank 0: SIGTERM, rank 1: SIGTERM", text[-3000:]
+    assert _only(who, "SIGTERM"), text[-3000:]
     # Exited before the grace time ended, so SLURM would not requeue it: rank 0 did, seeing PreemptTime set.
     assert f"Preemption: requeued SLURM job {info['JobId']}" in text
     assert re.findall(r"Restored all states from the checkpoint at (\S+)", text) == [str(tmp_path / "hpc_ckpt_1.ckpt")]

@@ -31,7 +31,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "atomic_path", "is_partial", "partial_path", "publish", "remove_partial"]
+__all__ = ["AtomicCheckpointIO", "atomic_path", "is_partial", "partial_path", "publish", "remove_path"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -45,8 +45,8 @@ def is_partial(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(PARTIAL_SUFFIX)
 
 
-def remove_partial(path: Path) -> None:
-    """Delete a file or a directory tree, if there is one (a partial write left by a killed process)."""
+def remove_path(path: Path) -> None:
+    """Delete a file or a directory tree, if there is one (a killed write's remains, a superseded checkpoint)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -84,12 +84,12 @@ def publish(partial: Path, final: Path) -> None:
     old = None
     if final.is_dir() and not final.is_symlink():
         old = final.with_name(f".{final.name}.old{PARTIAL_SUFFIX}")
-        remove_partial(old)
+        remove_path(old)
         os.replace(final, old)
     os.replace(partial, final)
     _fsync(final.parent)
     if old is not None:
-        remove_partial(old)
+        remove_path(old)
 
 
 @contextlib.contextmanager
@@ -104,11 +104,11 @@ def atomic_path(final: Path) -> Iterator[Path]:
     yourself, with a barrier between, as ``preemption.Preemption`` does.
     """
     partial = partial_path(final)
-    remove_partial(partial)  # a previous writer's remains
+    remove_path(partial)  # a previous writer's remains
     try:
         yield partial
     except BaseException:
-        remove_partial(partial)
+        remove_path(partial)
         raise
     publish(partial, final)
 

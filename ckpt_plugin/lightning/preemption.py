@@ -61,7 +61,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ckpt_plugin.lightning.atomic import partial_path, publish, remove_partial
+from ckpt_plugin.lightning.atomic import partial_path, publish, remove_path
 
 __all__ = ["HPC_PREFIX", "Preempted", "Preemption", "hpc_checkpoints"]
 
@@ -224,8 +224,9 @@ class Preemption(pl.Callback):
         )
         rank_zero_info(f"Preemption: {who}; saving at step {trainer.global_step} on all {len(received)} rank(s)")
         path = self._save(trainer)
+        before = time.monotonic()  # SLURM's SIGTERM may come before scontrol has even returned
         if trainer.is_global_zero and self._requeue(signum, requeue_signal=requeue_wanted):
-            self._await_slurm(since=time.monotonic())
+            self._await_slurm(since=before)
         raise Preempted(signum, path)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -255,7 +256,7 @@ class Preemption(pl.Callback):
         device = trainer.strategy.root_device  # nccl needs the rank's GPU; gloo the CPU
         parts = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, torch.tensor([mine], dtype=torch.int32, device=device))
-        return [int(p.item()) for p in parts]
+        return torch.cat(parts).tolist()  # one copy to the host
 
     def _save(self, trainer: pl.Trainer) -> Path:
         strategy = trainer.strategy
@@ -264,7 +265,7 @@ class Preemption(pl.Callback):
         if trainer.is_global_zero:
             directory.mkdir(parents=True, exist_ok=True)
             for stale in directory.glob(f".{HPC_PREFIX}*"):  # partial writes of a killed save
-                remove_partial(stale)
+                remove_path(stale)
             final = str(directory / f"{HPC_PREFIX}{max(hpc_checkpoints(directory), default=0) + 1}.ckpt")
         final = Path(strategy.broadcast(final))  # one name for all ranks, whatever each one's view of the directory
         partial = partial_path(final)
@@ -273,7 +274,7 @@ class Preemption(pl.Callback):
             publish(partial, final)
             for n, older in hpc_checkpoints(directory).items():
                 if older != final:
-                    remove_partial(older)  # superseded by a complete, newer one
+                    remove_path(older)  # superseded by a complete, newer one
         strategy.barrier("Preemption: checkpoint published")
         rank_zero_info(f"Preemption: saved {final}")
         return final
