@@ -115,10 +115,11 @@ class StallingCheckpointIO(AtomicCheckpointIO):
 
 
 class Throttle(pl.Callback):
-    """Sleep at the end of every step: leaves time for a signal sent from outside, changes no number."""
+    """Sleep at the end of every step of start ``start``: time for a signal sent from outside; changes no number."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, start: int = 0) -> None:
+        self.seconds, self.start = seconds, start
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        time.sleep(self.seconds)
+        if restart_count() == self.start:
+            time.sleep(self.seconds)

@@ -106,23 +106,28 @@ def _assert_ranks_trained(text: str, steps: int) -> None:
     assert text.count(STOPPED.format(steps)) == 1
 
 
-@pytest.mark.parametrize(
-    ("recipe", "options"),
-    [("single_node.sbatch", []), ("multi_node.sbatch", ["--nodes=1"])],  # one host runs one slurmd
-)
-def test_recipe_trains_two_ranks(cluster, tmp_path: Path, capsys, recipe: str, options: list[str]) -> None:
+def test_multi_node_recipe_trains_two_ranks(cluster, tmp_path: Path, capsys) -> None:
     start = time.monotonic()
-    proc = _sbatch(cluster, recipe, tmp_path, options, ["trainer.max_steps=3"])
+    proc = _sbatch(cluster, "multi_node.sbatch", tmp_path, ["--nodes=1"], ["trainer.max_steps=3"])  # one slurmd a host
     seconds = time.monotonic() - start
     job_id, text = _job_output(tmp_path)
     info = slurm_cluster.job_info(cluster, job_id)
-    _report(capsys, recipe, info, seconds)
+    _report(capsys, "multi_node.sbatch", info, seconds)
     assert proc.returncode == 0, f"{proc.stdout}\n{text[-5000:]}"  # sbatch --wait exits with the job's code
     assert (info["JobState"], info["ExitCode"], info["NumNodes"], info["NumTasks"]) == ("COMPLETED", "0:0", "1", "2")
     _assert_ranks_trained(text, steps=3)
     # ModelCheckpoint's last.ckpt, written at the end of fit: what a requeued job would resume from.
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
     assert OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml").trainer.devices == 2
+
+
+def test_single_node_recipe_trains_two_ranks(uninterrupted_job, capsys) -> None:
+    """The single-node recipe as submitted for the preemption tests' reference run, never interrupted."""
+    info, text, out = uninterrupted_job
+    _report(capsys, "single_node.sbatch", info, float(info["seconds"]))
+    assert (info["JobState"], info["ExitCode"], info["NumNodes"], info["NumTasks"]) == ("COMPLETED", "0:0", "1", "2")
+    _assert_ranks_trained(text, steps=STEPS)
+    assert OmegaConf.load(out / "run" / ".hydra" / "config.yaml").trainer.devices == 2
 
 
 def _wait_for(what: str, check, timeout: float = 120.0) -> None:
@@ -141,7 +146,7 @@ def _wait_for(what: str, check, timeout: float = 120.0) -> None:
 STEPS = 30
 LAST_EVERY = 10  # ModelCheckpoint's last.ckpt, the resume point older than any preemption checkpoint
 PREEMPT = [f"trainer.max_steps={STEPS}", f"callbacks.model_checkpoint.every_n_train_steps={LAST_EVERY}"]
-THROTTLE = "+callbacks.throttle={_target_:preempt_faults.Throttle,seconds:0.05}"  # time for a signal from outside
+THROTTLE = "+callbacks.throttle={_target_:preempt_faults.Throttle,seconds:0.05,start:0}"  # time for a signal from outside
 SAVING = re.compile(r"Preemption: (.*); saving at step (\d+) on all 2 rank\(s\)")
 
 
@@ -205,11 +210,18 @@ def _assert_finished_like_uninterrupted(info: dict, text: str, out: Path, uninte
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
+def uninterrupted_job(cluster, tmp_path_factory) -> tuple[dict, str, Path]:
+    """single_node.sbatch with the preemption tests' settings and no fault: its record, output and directory."""
     out = tmp_path_factory.mktemp("uninterrupted")
     info, text = _run_preempted(cluster, out, [])
+    return info, text, out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_job) -> dict[str, torch.Tensor]:
+    """The weights every preempted run must end with."""
+    info, text, out = uninterrupted_job
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "0"), text[-5000:]
-    assert "Preemption: Lightning's SLURM auto-requeue (a save inside the signal handler" in text
     assert "saving at step" not in text
     return _final_weights(out)
 
@@ -253,29 +265,25 @@ def test_sigterm_of_a_preemption_saves_within_the_grace_time_and_the_job_comes_b
     assert re.findall(r"Restored all states from the checkpoint at (\S+)", text) == [str(tmp_path / "hpc_ckpt_1.ckpt")]
 
 
-def test_requeued_twice_by_one_rank_in_backward_then_the_other_in_the_optimizer_step(
+def test_requeued_three_times_by_signals_in_backward_the_optimizer_step_and_a_save(
     cluster, tmp_path: Path, capsys, uninterrupted
 ):
     faults = [
         _fault("first", at="backward", step=7, ranks="[0]", start=0),  # rank 1 is in DDP's all-reduce meanwhile
         _fault("second", at="optimizer_step", step=18, ranks="[1]", start=1),
+        # ModelCheckpoint saves last.ckpt at the end of step 20; the signal lands inside that save, on both ranks.
+        _fault("third", at="save", step=2 * LAST_EVERY, start=2),
     ]
     info, text = _run_preempted(cluster, tmp_path, faults)
-    _report(capsys, "requeued twice", info, float(info["seconds"]))
-    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=2)
-    # Both ranks stopped at the same boundary, the step each signal landed in.
-    assert SAVING.findall(text) == [("rank 0: SIGUSR1", "8"), ("rank 1: SIGUSR1", "19")], text[-3000:]
+    _report(capsys, "requeued three times", info, float(info["seconds"]))
+    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=3)
+    # All ranks stopped at the same boundary: the end of the step each signal landed in (after the save it was in).
+    assert SAVING.findall(text) == [
+        ("rank 0: SIGUSR1", "8"), ("rank 1: SIGUSR1", "19"), ("rank 0: SIGUSR1, rank 1: SIGUSR1", "21"),
+    ], text[-3000:]  # fmt: skip
     restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
-    assert restored == [str(tmp_path / "hpc_ckpt_1.ckpt"), str(tmp_path / "hpc_ckpt_2.ckpt")]
-    assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()  # superseded once hpc_ckpt_2 was complete
-
-
-def test_a_signal_during_a_checkpoint_save_is_acted_on_after_it(cluster, tmp_path: Path, capsys, uninterrupted):
-    # ModelCheckpoint saves last.ckpt at the end of step 10; the signal lands inside that save, on both ranks.
-    info, text = _run_preempted(cluster, tmp_path, [_fault("during_save", at="save", step=LAST_EVERY)])
-    _report(capsys, "signal during a save", info, float(info["seconds"]))
-    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
-    assert SAVING.findall(text) == [("rank 0: SIGUSR1, rank 1: SIGUSR1", str(LAST_EVERY + 1))], text[-3000:]
+    assert restored == [str(tmp_path / f"hpc_ckpt_{n}.ckpt") for n in (1, 2, 3)]
+    assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()  # superseded once a newer one was complete
 
 
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(cluster, tmp_path: Path, capsys, uninterrupted):
