@@ -363,7 +363,10 @@ def test_a_submitit_job_saves_on_submitits_signal_and_submitit_requeues_it(
                     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env)
             if time.monotonic() > deadline:
                 proc.kill()
-                raise AssertionError(f"the sweep did not end in 300 s:\n{(tmp_path / 'multirun.out').read_text()[-4000:]}")
+                jobs = subprocess.run(["scontrol", "show", "job"], capture_output=True, text=True, env=cluster.env)
+                logs = "\n".join(p.read_text()[-3000:] for p in sorted((sweep / ".submitit").glob("*/*_log.*")))
+                raise AssertionError(f"the sweep did not end in 300 s; the jobs:\n{jobs.stdout}\n{logs}\n"
+                                     f"{cluster.log_tail(30)}")  # fmt: skip
             time.sleep(0.2)
     with capsys.disabled():
         print(f"\nsubmitit job preempted once: {time.monotonic() - start:.1f} s")

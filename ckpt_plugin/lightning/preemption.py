@@ -301,7 +301,10 @@ class Preemption(pl.Callback):
             # submitit's own handler decides (timeouts left, its pickled resubmission) and requeues; called here,
             # after the save, not from inside a signal.
             rank_zero_info("Preemption: submitit launched this job; its handler requeues it")
-            previous(signum, None)  # requeues and exits (SystemExit) unless it raises why not
+            try:
+                previous(signum, None)  # requeues, then exits at once; raises UncompletedJobError if it will not
+            except SystemExit:
+                return True  # requeued: exit only once SLURM ends this start (_await_slurm), not at once
             return False
         job = _slurm_job_id()
         wanted = self.requeue if self.requeue is not None else job is not None
