@@ -48,7 +48,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -61,6 +60,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from ckpt_plugin.lightning import slurm
 from ckpt_plugin.lightning.atomic import partial_path, publish, remove_path
 
 __all__ = ["HPC_PREFIX", "Preempted", "Preemption", "hpc_checkpoints"]
@@ -110,17 +110,6 @@ def _signal_named(value: str | int) -> signal.Signals:
             f"Preemption(requeue_signal={value!r}): {sig.name} {reason}; choose one of {', '.join(names)}"
         )
     return sig
-
-
-def _launched_by_submitit() -> bool:
-    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-
-
-def _slurm_job_id() -> str | None:
-    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return os.environ.get("SLURM_JOB_ID")
 
 
 class Preemption(pl.Callback):
@@ -242,7 +231,7 @@ class Preemption(pl.Callback):
     # -- the pieces -----------------------------------------------------------------------------------------------
 
     def _default_signal(self, environment: Any) -> signal.Signals:
-        if _launched_by_submitit():
+        if slurm.launched_by_submitit():
             return _signal_named(os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
         if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
             return _signal_named(int(environment.requeue_signal))
@@ -297,7 +286,7 @@ class Preemption(pl.Callback):
 
         True when ``scontrol requeue`` succeeded (SLURM will now end this start).
         """
-        if requeue_signal and _launched_by_submitit() and callable(previous := self._previous.get(signum)):
+        if requeue_signal and slurm.launched_by_submitit() and callable(previous := self._previous.get(signum)):
             # submitit's own handler decides (timeouts left, its pickled resubmission) and requeues; called here,
             # after the save, not from inside a signal.
             rank_zero_info("Preemption: submitit launched this job; its handler requeues it")
@@ -306,40 +295,20 @@ class Preemption(pl.Callback):
             except SystemExit:
                 return True  # requeued: exit only once SLURM ends this start (_await_slurm), not at once
             return False
-        job = _slurm_job_id()
+        job = slurm.job_id()
         wanted = self.requeue if self.requeue is not None else job is not None
         if not wanted or job is None:
             rank_zero_info("Preemption: not requeueing (not in a SLURM job, or requeue=False); run the same command to resume")
             return False
         if not requeue_signal:
-            # SIGTERM alone: scancel (the job is COMPLETING), the time limit, `scontrol requeue` (already requeued),
-            # or preemption. A preempted job is requeued by SLURM only if it is still running when the grace time
-            # ends; one that exits early, as we do, ends FAILED (seen with SLURM 22.05, PreemptMode=REQUEUE). So:
-            # requeue exactly when SLURM says the job is being preempted.
-            state = _job_state(job)
-            if not (state.get("JobState") == "RUNNING" and state.get("PreemptTime", "None") != "None"):
-                rank_zero_info(f"Preemption: SIGTERM, and job {job} is not being preempted "
-                               f"(JobState={state.get('JobState')}); not requeueing")  # fmt: skip
+            # SIGTERM alone: scancel, the time limit, `scontrol requeue` (already requeued), or preemption, which
+            # SLURM follows with a requeue only if the job outlives the grace time; ours has saved and exits.
+            preempted, state = slurm.being_preempted(job)
+            if not preempted:
+                rank_zero_info(f"Preemption: SIGTERM, and job {job} is not being preempted (JobState={state}); not requeueing")
                 return False
-        try:
-            proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            rank_zero_warn(f"Preemption: `scontrol requeue {job}` failed ({err}); the checkpoint is saved, resume by hand")
-            return False
-        if proc.returncode == 0:
+        if (why_not := slurm.requeue(job)) is None:
             rank_zero_info(f"Preemption: requeued SLURM job {job}")
             return True
-        rank_zero_warn(
-            f"Preemption: `scontrol requeue {job}` exited {proc.returncode}: {proc.stderr.strip()} "
-            "(is the job submitted with --requeue?); the checkpoint is saved, resume by hand"
-        )
+        rank_zero_warn(f"Preemption: `scontrol requeue {job}` failed ({why_not}); the checkpoint is saved, resume by hand")
         return False
-
-
-def _job_state(job: str) -> dict[str, str]:
-    """``scontrol show job -o`` as a dict (empty if scontrol cannot say): JobState, PreemptTime, ..."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return dict(pair.split("=", 1) for pair in out.split() if "=" in pair)
