@@ -44,11 +44,12 @@ def peak_kib(tmp_path_factory):
 
 def test_report_at_the_real_batch_costs_what_a_batch_1_report_costs(peak_kib):
     at_32, at_1 = peak_kib("ckpt=full"), peak_kib("ckpt=full", "model.batch_size=1")
-    # The un-checkpointed forward at batch 32 alone would add ~1 GiB (about 100 % of at_1).
-    assert at_32 <= 1.10 * at_1, (at_32, at_1)
+    # The un-checkpointed forward at batch 32 alone would add ~1 GiB (about 100 % of at_1). The margin is for the
+    # process's own spread: the same two runs measured 1.00 to 1.11 of each other across fresh-clone CI runs.
+    assert at_32 <= 1.25 * at_1, (at_32, at_1)
 
 
 def test_auto_profiles_without_the_memory_of_the_step_it_avoids(peak_kib):
     full, auto, none = peak_kib("ckpt=full"), peak_kib("ckpt=auto", "ckpt.budget=0.35"), peak_kib("ckpt=none")
-    assert auto <= 1.10 * full, (auto, full)
+    assert auto <= 1.25 * full, (auto, full)  # the step auto avoids would add ~100 %; the spread is up to 11 %
     assert auto < none, (auto, none)
