@@ -132,8 +132,7 @@ class Preemption(pl.Callback):
         self.dirpath = dirpath
         self.requeue = requeue
         self._signal: signal.Signals | None = None  # resolved in setup
-        self._received: set[int] = set()  # written by the handler: nothing else happens in it
-        self._last_term = 0.0  # time.monotonic() of the latest SIGTERM, also written by the handler
+        self._received: dict[int, float] = {}  # signal -> time.monotonic() of its latest arrival; the handler's only write
         self._previous: dict[int, Any] = {}  # the handlers we replaced, to restore or to pass signals on to
         self._armed = False
         self._checked_step = -1
@@ -142,9 +141,7 @@ class Preemption(pl.Callback):
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
-            self._received.add(signum)  # no I/O here: a print can raise "reentrant call" mid-write
-            if signum == signal.SIGTERM:
-                self._last_term = time.monotonic()
+            self._received[signum] = time.monotonic()  # no I/O here: a print can raise "reentrant call" mid-write
             return
         # Outside training (after fit ended with an error): behave as if we were never installed.
         previous = self._previous.get(signum, signal.SIG_DFL)
@@ -188,7 +185,7 @@ class Preemption(pl.Callback):
                 "is off; a signal is acted on at the next step boundary"
             )
         self._signal = self.requeue_signal or self._default_signal(environment)
-        self._received, self._checked_step = set(), -1
+        self._received, self._checked_step = {}, -1
         self._install()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -261,7 +258,7 @@ class Preemption(pl.Callback):
         trainer.save_checkpoint(partial)  # every rank: sharded strategies write their part; ends in a barrier
         if trainer.is_global_zero:
             publish(partial, final)
-            for n, older in hpc_checkpoints(directory).items():
+            for older in hpc_checkpoints(directory).values():
                 if older != final:
                     remove_path(older)  # superseded by a complete, newer one
         strategy.barrier("Preemption: checkpoint published")
@@ -278,7 +275,7 @@ class Preemption(pl.Callback):
         """
         rank_zero_info("Preemption: waiting for SLURM to end this start of the requeued job")
         deadline = since + timeout
-        while self._last_term <= since and time.monotonic() < deadline:
+        while self._received.get(signal.SIGTERM, 0.0) <= since and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def _requeue(self, signum: int, requeue_signal: bool) -> bool:

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ckpt_plugin.lightning.preemption import Preemption, hpc_checkpoints
+
 __all__ = ["ResumableRNG", "latest_checkpoint"]
 
 
@@ -122,8 +124,6 @@ def latest_checkpoint(trainer: pl.Trainer) -> str | None:
     A write that was killed left only a hidden ``.<name>.partial`` (``atomic.py``),
     which is never a candidate. Files and sharded directories alike.
     """
-    from ckpt_plugin.lightning.preemption import Preemption, hpc_checkpoints
-
     candidates = [
         Path(cb.dirpath) / f"{cb.CHECKPOINT_NAME_LAST}{cb.FILE_EXTENSION}"
         for cb in trainer.checkpoint_callbacks
