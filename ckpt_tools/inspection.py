@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.config.plan import apply_config
 from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.configs.app import check_app_config, config_errors_exit
 from ckpt_plugin.engine.wrap import remove_checkpointing
 from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
 from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes, side_effect_free, step_memory
@@ -191,6 +192,12 @@ def inspect_step(
 
 @hydra.main(version_base="1.3", config_path="pkg://ckpt_tools.configs", config_name="inspect")
 def main(cfg: DictConfig) -> None:
+    with config_errors_exit():  # a ckpt mistake: the message alone, exit code 2
+        check_app_config(cfg)
+        _inspect(cfg)
+
+
+def _inspect(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)

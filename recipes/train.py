@@ -22,9 +22,12 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import DictConfig, OmegaConf
 
+from ckpt_plugin.configs.app import check_app_config, config_errors_exit
 from ckpt_plugin.lightning.resume import latest_checkpoint
 
 
@@ -51,8 +54,23 @@ def processes(devices: Any, num_nodes: Any = 1) -> int:
 OmegaConf.register_new_resolver("processes", processes, replace=True)
 
 
+class StepsRichProgressBar(RichProgressBar):
+    """Lightning's rich bar without ``Epoch 0/-2`` when steps bound the run (``max_epochs=-1``).
+
+    Lightning 2.6 writes the epoch total as ``max_epochs - 1`` even for -1 (Lightning#21925, fixed by
+    Lightning#21924 in 2.7). Its TQDM bar, used when ``rich`` is not installed, shows ``Epoch 0`` already.
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        text = super()._get_train_description(current_epoch)
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
+            text = text.replace(f"Epoch {current_epoch}/{self.trainer.max_epochs - 1}", f"Epoch {current_epoch}")
+        return text
+
+
 def train(cfg: DictConfig, model: pl.LightningModule | None = None) -> pl.Trainer:
     """Fit ``cfg.model`` (or ``model``) on ``cfg.data`` with ``cfg.callbacks`` and ``cfg.trainer``; the Trainer after fit."""
+    check_app_config(cfg)  # the ckpt keys and the strategy, before anything is built
     pl.seed_everything(cfg.seed, workers=True)
     rank_zero_info(f"Instantiating datamodule <{cfg.data._target_}>")
     datamodule = instantiate(cfg.data)
@@ -63,6 +81,8 @@ def train(cfg: DictConfig, model: pl.LightningModule | None = None) -> pl.Traine
     for name, node in (cfg.get("callbacks") or {}).items():
         rank_zero_info(f"Instantiating callback {name} <{node._target_}>")
         callbacks.append(instantiate(node))
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(StepsRichProgressBar() if _RICH_AVAILABLE else TQDMProgressBar())  # Lightning's choice
     rank_zero_info(f"Instantiating trainer <{cfg.trainer._target_}>")
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
     # ckpt_path=last resumes from the newer of ModelCheckpoint's last.ckpt and the hpc checkpoint
@@ -77,7 +97,8 @@ def train(cfg: DictConfig, model: pl.LightningModule | None = None) -> pl.Traine
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    with config_errors_exit():  # a ckpt mistake: the message alone, exit code 2 (HYDRA_FULL_ERROR=1: traceback)
+        train(cfg)
 
 
 if __name__ == "__main__":

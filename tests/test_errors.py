@@ -14,7 +14,10 @@ key, the value or the choices fails here.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,7 +25,7 @@ from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
 from ckpt_plugin.engine.wrap import CheckpointedForward
-from conftest import FAST, TINY_GPT, run_recipe, small_gpt
+from conftest import FAST, RECIPE, TINY_GPT, run_recipe, small_gpt
 
 GPT_CLASSES = {
     "CausalSelfAttention", "Dropout", "Embedding", "GPT", "LayerNorm",
@@ -60,13 +63,15 @@ def assert_untouched(model: nn.Module) -> None:
 
 def test_unknown_class_name_lists_class_names_closest_first():
     info = raises_for(
-        r"^ckpt\.layers: no module of class 'TransformerBlok' in GPT; "
+        r"^ckpt\.layers: no module of class 'TransformerBlok' in GPT and none named 'TransformerBlok'; "
         r"class names in this model, closest first: TransformerBlock, ",
         layers="TransformerBlok",
     )
-    names = listed_after("closest first: ", str(info.value))
+    classes, modules = str(info.value).split("; module names, closest first: ")
+    names = listed_after("closest first: ", classes)
     assert names[0] == "TransformerBlock"  # the closest one is first, explicitly
     assert set(names) == GPT_CLASSES  # and every class of the model is offered
+    assert modules.split(", ")[:5] == ["blocks", *BLOCKS]  # a plain word may name a module: those are offered too
 
 
 def test_glob_matching_nothing_lists_module_names_closest_first():
@@ -139,8 +144,8 @@ def test_two_bad_layer_names_reported_together():
     info = raises_for(r"^2 problems in ckpt\.layers:\n", layers=["TransformerBlok", "Attn"])
     lines = str(info.value).splitlines()
     assert len(lines) == 3
-    assert lines[1].startswith("  - ckpt.layers: no module of class 'TransformerBlok' in GPT; ")
-    assert lines[2].startswith("  - ckpt.layers: no module of class 'Attn' in GPT; ")
+    assert lines[1].startswith("  - ckpt.layers: no module of class 'TransformerBlok' in GPT and none named 'TransformerBlok'; ")
+    assert lines[2].startswith("  - ckpt.layers: no module of class 'Attn' in GPT and none named 'Attn'; ")
     assert "closest first: TransformerBlock," in lines[1]
     assert "closest first: CausalSelfAttention," in lines[2]
 
@@ -193,7 +198,8 @@ def test_layers_missing():
     raises_for(
         re.escape(
             "ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock "
-            "or ckpt.layers=[Block,'blocks.*'] (or choose ckpt=none to switch checkpointing off)"
+            "or ckpt.layers=[Block,'blocks.*'], or let ckpt.layers=auto choose them "
+            "(or choose ckpt=none to switch checkpointing off)"
         )
     )
 
@@ -241,7 +247,8 @@ def test_two_unknown_keys_reported_together_with_a_bad_value():
         "  - unknown key ckpt.evry_n (did you mean ckpt.every_n?) for ckpt mode 'full'; "
         "valid keys: layers, every_n, preserve_rng_state, check_recompute, segments, offload, deepspeed",
         "  - ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock or "
-        "ckpt.layers=[Block,'blocks.*'] (or choose ckpt=none to switch checkpointing off)",
+        "ckpt.layers=[Block,'blocks.*'], or let ckpt.layers=auto choose them "
+        "(or choose ckpt=none to switch checkpointing off)",
         "  - ckpt.preserve_rng_state='no' (str) must be true or false",
     ]
 
@@ -305,7 +312,7 @@ def test_callback_unknown_layer_at_fit_start_wraps_nothing():
     data = torch.randint(96, (4, 17))
     trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    with pytest.raises(ValueError, match=r"no module of class 'TransformerBlok' in GPT; class names in this model, closest first: TransformerBlock,"):
+    with pytest.raises(ValueError, match=r"no module of class 'TransformerBlok' in GPT and none named 'TransformerBlok'; class names in this model, closest first: TransformerBlock,"):
         trainer.fit(model, DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2))
     assert_untouched(model)
     assert callback.wrapped == []
@@ -360,10 +367,13 @@ def test_failed_second_apply_keeps_first_wrapping(bad):
 # --------------------------------------------------------------------------- #
 
 CLI_CASES = {
-    "unknown-preset": "ckpt=fulll",
-    "unknown-key": "ckpt.foo=1",
-    "wrong-type": "ckpt.every_n=two",
-    "unknown-layer": "ckpt.layers=TransformerBlok",
+    "unknown-preset": ("ckpt=fulll",),
+    "unknown-key": ("ckpt.foo=1",),
+    "wrong-type": ("ckpt.every_n=two",),
+    "unknown-layer": ("ckpt.layers=TransformerBlok",),
+    "too-many-segments": ("ckpt.segments=9",),
+    "deepspeed-without-deepspeed": ("ckpt=deepspeed", "ckpt.layers=TransformerBlock"),
+    "bad-budget": ("ckpt=auto", "ckpt.layers=TransformerBlock", "ckpt.budget=3 GiBs"),
 }
 
 
@@ -375,7 +385,7 @@ def cli(tmp_path_factory):
     dirs = {case: tmp_path_factory.mktemp(case) for case in CLI_CASES}
 
     def one(case):
-        return case, run_recipe(*TINY_GPT, *FAST, CLI_CASES[case], tmp_path=dirs[case], check=False)
+        return case, run_recipe(*TINY_GPT, *FAST, *CLI_CASES[case], tmp_path=dirs[case], check=False)
 
     with ThreadPoolExecutor(len(CLI_CASES)) as pool:
         return dict(pool.map(one, CLI_CASES))
@@ -404,11 +414,155 @@ def test_cli_wrong_type(cli):
     assert "full_key: ckpt.every_n" in proc.stderr
 
 
+def _short_error(proc) -> str:
+    """The recipe's answer to a ckpt mistake: exit code 2, the message alone (no traceback); the message."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    first, hint = proc.stderr.rstrip("\n").splitlines()[-2:]
+    assert hint == "(HYDRA_FULL_ERROR=1 shows the traceback.)"
+    assert first.startswith("Error: ")
+    return first.removeprefix("Error: ")
+
+
 def test_cli_unknown_layer(cli):
     proc = cli["unknown-layer"]
-    assert proc.returncode != 0
-    assert (
-        "ConfigError: ckpt.layers: no module of class 'TransformerBlok' in GPT; "
+    assert _short_error(proc).startswith(
+        "ckpt.layers: no module of class 'TransformerBlok' in GPT and none named 'TransformerBlok'; "
         "class names in this model, closest first: TransformerBlock, "
-    ) in proc.stderr
-    assert "Trainer.fit` stopped" not in proc.stdout + proc.stderr  # it never trained
+    )
+    # found in the callback's setup: after the model is built, before configure_optimizers and training
+    assert "Instantiating model" in proc.stdout
+    assert "Trainer.fit` stopped" not in proc.stdout + proc.stderr and "train_loss" not in proc.stdout
+
+
+def test_cli_too_many_segments(cli):
+    assert _short_error(cli["too-many-segments"]) == (
+        "ckpt.segments=9 asks for more segments than the 4 layers of the chain; "
+        "use a value from 1 to 4, 'sqrt' or 'recursive'"
+    )
+    assert "train_loss" not in cli["too-many-segments"].stdout
+
+
+def test_cli_errors_found_before_anything_is_built(cli):
+    """What the composed config shows wrong is reported before the data or the model is built."""
+    assert _short_error(cli["deepspeed-without-deepspeed"]) == (
+        "ckpt.deepspeed is set (ckpt=deepspeed: DeepSpeed's own checkpoint) but trainer.strategy is 'auto', "
+        "not a DeepSpeed strategy; choose trainer=deepspeed_zero1/2/3, or another ckpt preset (torch's "
+        "checkpoint works under every strategy)"
+    )
+    assert _short_error(cli["bad-budget"]).startswith("ckpt.budget='3 GiBs' is not a budget")
+    for case in ("deepspeed-without-deepspeed", "bad-budget"):
+        assert "Instantiating" not in cli[case].stdout, cli[case].stdout
+
+
+def test_cli_full_error_with_hydra_full_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(RECIPE), f"hydra.run.dir={tmp_path}", *TINY_GPT, "ckpt.every_n=0"],
+        capture_output=True, text=True, env=os.environ | {"HYDRA_FULL_ERROR": "1"}, cwd=tmp_path, timeout=300,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr
+    assert proc.stderr.rstrip().endswith(
+        "ckpt_plugin.errors.ConfigError: ckpt.every_n=0 must be >= 1: 1 wraps every matched layer, 2 every second one, ..."
+    )
+
+
+# --------------------------------------------------------------------------- #
+# a plain word: a module's name first, else a class name
+# --------------------------------------------------------------------------- #
+
+
+def test_a_plain_word_selects_the_module_of_that_name():
+    model = small_gpt()
+    assert apply_checkpointing(model, layers="head") == ["head"]
+    assert apply_checkpointing(model, layers=["ln_f", "head", "TransformerBlock"]) == [*BLOCKS, "ln_f", "head"]
+
+
+def test_a_module_name_wins_over_a_class_name():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.Block = Block()  # named like the class of the two below
+            self.stack = nn.Sequential(Block(), Block())
+
+    assert apply_checkpointing(Net(), layers="Block") == ["Block"]  # not the three modules of class Block
+    assert apply_checkpointing(Net(), layers="stack.*") == ["stack.0", "stack.1"]  # the others, by their names
+
+
+def test_a_plain_word_matching_neither_lists_class_and_module_names_closest_first():
+    raises_for(
+        "^" + re.escape(
+            "ckpt.layers: no module of class 'haed' in GPT and none named 'haed'; class names in this model, "
+            "closest first: Embedding, LayerNorm, Linear, TransformerBlock, CausalSelfAttention, ModuleList, "
+            "Dropout, GPT, MLP; module names, closest first: head, drop, "
+        ),
+        layers="haed",
+    )
+
+
+def test_a_container_without_forward_is_never_a_layer():
+    # "blocks" is the ModuleList: nothing calls it, so wrapping it would checkpoint nothing.
+    model = small_gpt()
+    for layers in ("blocks", "ModuleList", "torch.nn.ModuleList"):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f"ckpt.layers: {layers!r} selects only blocks (ModuleList), which has no forward: nothing calls it, "
+                "so checkpointing would do nothing; select the modules inside, e.g. 'blocks.*'") + "$"):
+            apply_checkpointing(model, layers=layers)
+        assert_untouched(model)
+    # A pattern that also matches what is inside selects that instead.
+    assert apply_checkpointing(model, layers="blocks*") == BLOCKS
+
+
+# --------------------------------------------------------------------------- #
+# ckpt.budget: every size parses or is an error, never a silent default
+# --------------------------------------------------------------------------- #
+
+BUDGET_FORMS = (
+    "valid: a fraction of the activation peak without checkpointing (0.4, 40%) or a size "
+    "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes)"
+)
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("3 GiB", "3.0 GiB"), ("3GiB", "3.0 GiB"), ("3 gib", "3.0 GiB"), (" 3 GiB ", "3.0 GiB"),
+    ("512MB", "488.3 MiB"), ("0.4", "0.4 of the activation peak"), (0.4, "0.4 of the activation peak"),
+    ("40%", "0.4 of the activation peak"),
+])
+def test_budget_sizes_with_or_without_a_space(given, expected):
+    from ckpt_plugin.planning.budget import parse_budget
+
+    assert str(parse_budget(given)) == expected
+    assert make_config(mode="auto", layers="TransformerBlock", budget=given).budget == given
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ("3 GiBs", "ckpt.budget='3 GiBs' is not a budget: write a fraction of the activation peak without checkpointing "
+               "(0.4, 40%) or a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes); a size's unit "
+               "is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"),
+    ("lots", "ckpt.budget='lots' is not a budget: write a fraction of the activation peak without checkpointing "
+             "(0.4, 40%) or a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes); a size's unit "
+             "is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"),
+    ("-1GiB", f"ckpt.budget='-1GiB' must be positive; {BUDGET_FORMS}"),
+    ("0", f"ckpt.budget='0' must be positive; {BUDGET_FORMS}"),
+    (0, f"ckpt.budget=0 must be positive; {BUDGET_FORMS}"),
+    ("1.5", f"ckpt.budget='1.5': a fraction must be in (0, 1]; for a size write e.g. 1.5GiB; {BUDGET_FORMS}"),
+    ("150%", f"ckpt.budget='150%': a fraction must be in (0, 1]; at most 100%; {BUDGET_FORMS}"),
+    ("0.1 B", f"ckpt.budget='0.1 B' must be positive; {BUDGET_FORMS}"),
+])
+def test_budget_that_does_not_parse_is_an_error(given, message):
+    from ckpt_plugin.planning.budget import parse_budget
+
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        parse_budget(given)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        make_config(mode="auto", layers="TransformerBlock", budget=given)
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        apply_checkpointing(small_gpt(), mode="auto", layers="TransformerBlock", budget=given)

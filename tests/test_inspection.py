@@ -137,15 +137,26 @@ def test_inspecting_a_batch_that_does_not_fit_takes_almost_no_memory() -> None:
     assert grown < result.without.total / 10, (grown, result.without.total)
 
 
-def _cli(tmp_path: Path, *overrides: str) -> str:
+def _cli(tmp_path: Path, *overrides: str, returncode: int = 0) -> str:
     exe = shutil.which("ckpt-inspect") or str(Path(os.sys.executable).parent / "ckpt-inspect")
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [exe, f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path / "tmp")}
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    proc = subprocess.run([exe, *overrides], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(cwd.iterdir()) == []  # a measurement writes nothing where it runs: no outputs/, no .hydra/
+    return proc.stdout + proc.stderr if returncode else proc.stdout
+
+
+def test_console_script_help_and_errors(tmp_path: Path) -> None:
+    out = _cli(tmp_path, "--help")
+    assert out.startswith("ckpt-inspect: what a ckpt config does to a model, measured on one training step")
+    assert "ckpt-inspect --config-dir conf model=mine data=mine ckpt.layers=MyBlock" in out
+    assert "ckpt: auto, deepspeed, full, names, none, offload, recursive, segments, selective" in out
+    # a ckpt mistake: the message alone, exit code 2, before the model is built
+    out = _cli(tmp_path, *TINY_GPT, "ckpt.every_n=0", returncode=2)
+    assert out == ("Error: ckpt.every_n=0 must be >= 1: 1 wraps every matched layer, 2 every second one, ...\n"
+                   "(HYDRA_FULL_ERROR=1 shows the traceback.)\n")
 
 
 def test_console_script_on_the_example_models(tmp_path: Path) -> None:
@@ -154,7 +165,8 @@ def test_console_script_on_the_example_models(tmp_path: Path) -> None:
     assert out.splitlines()[0] == "GPT: one training step without and with the ckpt config"
     assert [line.split()[0] for line in out.splitlines()[2:7]] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "(rest"]
     assert "activation peak:" in out and "total peak:" in out
-    out = _cli(tmp_path, *TINY_RESNET, "ckpt.layers=Bottleneck", "ckpt.segments=2")
+    out = _cli(tmp_path, "-m", *TINY_RESNET, "ckpt.layers=Bottleneck", "ckpt.segments=2")  # -m: a sweep of one
+    out = out[out.index("ResNet: "):]  # after Hydra's "Launching 1 jobs locally"
     assert out.splitlines()[0] == "ResNet: one training step without and with the ckpt config"
     assert sum(line.strip().startswith("stages.") for line in out.splitlines()) == 6
     assert "(ratio 1." in out

@@ -155,7 +155,7 @@ def test_fsdp_policy_and_the_plugin_together_is_an_error() -> None:
     with pytest.raises(ValueError, match=(
         r"^2 module\(s\) are already checkpointed by trainer.strategy \(FSDPStrategy\) "
         r"activation_checkpointing_policy / activation_checkpointing: 0, 1\. Checkpointing them again with "
-        r"callbacks.activation_checkpointing would recompute every block twice\. Use one of the two: remove "
+        r"callbacks.activation_checkpointing would recompute every block twice; use one of the two: remove "
         r"the strategy's activation_checkpointing_policy \(the plugin works under every strategy\), or choose "
         r"ckpt=none$"
     )):

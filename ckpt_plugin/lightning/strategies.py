@@ -22,6 +22,7 @@ from torch import nn
 
 from ckpt_plugin._compat import checkpoint_wrapper_type
 from ckpt_plugin.engine.deepspeed import configure
+from ckpt_plugin.errors import ConfigError, Problem
 
 
 def _is_deepspeed(strategy: Any) -> bool:
@@ -43,20 +44,23 @@ def prepare(strategy: Any, model: nn.Module, config: Any) -> None:
         name = type(strategy).__name__
         source = (f"trainer.strategy ({name}) activation_checkpointing_policy / activation_checkpointing"
                   if "FSDP" in name else "torch's checkpoint_wrapper (applied outside this plugin)")
-        raise ValueError(
+        raise ConfigError([Problem(
+            "ckpt.layers",
             f"{len(twice)} module(s) are already checkpointed by {source}: {', '.join(twice[:3])}"
             f"{', ...' if len(twice) > 3 else ''}. Checkpointing them again with callbacks.activation_checkpointing "
-            "would recompute every block twice. Use one of the two: remove the strategy's "
-            "activation_checkpointing_policy (the plugin works under every strategy), or choose ckpt=none"
-        )
+            "would recompute every block twice",
+            "use one of the two: remove the strategy's activation_checkpointing_policy (the plugin works "
+            "under every strategy), or choose ckpt=none",
+        )])
     settings = getattr(config, "deepspeed", None)
     deepspeed = _is_deepspeed(strategy)
     if settings is not None and not deepspeed:
-        raise ValueError(
+        raise ConfigError([Problem(
+            "ckpt.deepspeed",
             f"ckpt.deepspeed is set but trainer.strategy is {type(strategy).__name__}: DeepSpeed's own "
-            "checkpoint needs a DeepSpeed strategy (trainer=deepspeed_zero1/2/3); under any other "
-            "strategy leave ckpt.deepspeed unset (torch's checkpoint is used)"
-        )
+            "checkpoint needs a DeepSpeed strategy (trainer=deepspeed_zero1/2/3)",
+            "under any other strategy leave ckpt.deepspeed unset (torch's checkpoint is used)",
+        )])
     if deepspeed and settings is None:
         ignored = strategy_settings(strategy)
         if ignored:
