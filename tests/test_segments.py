@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import lightning.pytorch as pl
 import pytest
@@ -241,3 +242,67 @@ def test_a_parent_that_is_not_a_chain_is_an_error_never_a_wrong_gradient() -> No
     x = torch.randn(2, 4, requires_grad=True)
     model(x).sum().backward()
     assert x.grad is not None
+
+
+class Masked(nn.Module):
+    """A block that takes its mask as a keyword argument, as a Llama decoder layer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x, mask=None, scale=1.0, **extra):
+        return torch.tanh(self.fc(x)) * mask * scale
+
+
+class MaskedNet(nn.Module):
+    """``x = block(x, mask=mask, scale=0.5)``; ``odd`` makes block 1's arguments differ from block 0's."""
+
+    def __init__(self, odd: str | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Masked() for _ in range(4))
+        self.odd = odd
+
+    def forward(self, x, mask):
+        for i, block in enumerate(self.blocks):
+            kwargs = {"mask": mask, "scale": 0.5}
+            if i == 1 and self.odd == "tensor":
+                kwargs["mask"] = mask.clone()  # equal values, another tensor: its gradient would go elsewhere
+            elif i == 1 and self.odd == "value":
+                kwargs["scale"] = 0.25
+            elif i == 1 and self.odd == "keys":
+                kwargs["bias"] = None
+            x = block(x, **kwargs)
+        return x.sum()
+
+
+@pytest.mark.parametrize("segments", [1, 2, "recursive"])
+def test_segments_over_layers_given_the_same_keyword_arguments(segments) -> None:
+    def step(model):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        mask = torch.rand(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        model(x, mask).backward()
+        return [p.grad for p in model.parameters()] + [mask.grad]
+
+    plain, ours = MaskedNet(), MaskedNet()
+    assert apply_checkpointing(ours, layers="Masked", segments=segments) == [f"blocks.{i}" for i in range(4)]
+    # The mask's gradient too: the recomputation passes the very tensor to every layer.
+    assert all(torch.equal(a, b) for a, b in zip(step(plain), step(ours), strict=True))
+
+
+@pytest.mark.parametrize(("odd", "got"), [
+    ("tensor", "got other values than blocks.0 for the keyword arguments ['mask']"),
+    ("value", "got other values than blocks.0 for the keyword arguments ['scale']"),
+    ("keys", "got the keyword arguments ['bias', 'mask', 'scale'], blocks.0 ['mask', 'scale']"),
+])
+def test_a_layer_given_other_keyword_arguments_than_its_segment_is_an_error(odd, got) -> None:
+    model = MaskedNet(odd)
+    apply_checkpointing(model, layers="Masked", segments=2)
+    mask = torch.ones(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="^" + re.escape(
+            f"ckpt.segments: blocks.1 did not take blocks.0's output as its one input (it {got}), so these layers "
+            "are not a chain and a segment cannot be recomputed from its first input. Use segments only over layers "
+            "that feed each other one tensor and all get the same keyword arguments (an nn.Sequential, or a "
+            "ModuleList applied as x = layer(x, **kwargs)), or set ckpt.segments=null to checkpoint each layer.") + "$"):
+        model(torch.randn(3, 4, dtype=torch.float64, requires_grad=True), mask)

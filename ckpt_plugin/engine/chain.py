@@ -10,10 +10,15 @@ non-reentrant checkpoint generator (the mechanism of torch's composable
 place, through its own ``__call__``.
 
 Recomputation replays the region as a chain: layer ``k+1`` gets layer ``k``'s
-output. That is only right if the parent does exactly that, so every call is
-checked: a layer inside a region must receive the very tensor the previous
-layer returned, and nothing else. Anything else raises before a wrong
-gradient can exist.
+output, and the other arguments the region's first layer got (the attention
+mask and position embeddings a Llama passes every decoder layer as keywords).
+That is only right if the parent does exactly that, so every call is checked:
+a layer inside a region must receive the very tensor the previous layer
+returned first, then the same other arguments as the previous layer (the very
+same objects, or equal plain values). Anything else raises before a wrong
+gradient can exist. Each layer's arguments go through ``side_effects.py``
+first, in the pre-hook that may replace them: a KV cache is neutralised in
+training, for the region's recomputation too, and a changed mutable argument raises.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ckpt_plugin._compat import close_region, open_region
 from ckpt_plugin.errors import Problem
 from ckpt_plugin.engine.norms import running_stats
 from ckpt_plugin.engine.sequential import Node, Region, regions, schedule
+from ckpt_plugin.engine.side_effects import Prepared, SideEffects
 from ckpt_plugin.engine.treatment import Treatment
 
 ATTR = "_ckpt_plugin_chain"  # where a chained layer keeps its ChainCheckpoint (not in state_dict)
@@ -39,8 +45,10 @@ ATTR = "_ckpt_plugin_chain"  # where a chained layer keeps its ChainCheckpoint (
 class ChainCheckpoint:
     """Checkpoint regions over ``layers`` (consecutive siblings, in call order)."""
 
-    def __init__(self, names: list[str], layers: list[nn.Module], segments: int | str, treatment: Treatment):
+    def __init__(self, names: list[str], layers: list[nn.Module], segments: int | str, treatment: Treatment,
+                 side_effects: SideEffects | None = None):
         self.names, self.layers = names, layers
+        self.side_effects = side_effects or SideEffects()
         self.nodes = schedule(len(layers), segments)
         self.treatment = treatment
         self.preserve_rng_state = treatment.preserve_rng_state
@@ -56,6 +64,9 @@ class ChainCheckpoint:
         self._open: list[tuple[Region, Any]] = []
         self._last_output: Any = None
         self._last_index = -1
+        self._last_rest: tuple[tuple, dict] = ((), {})  # the previous layer's arguments after its first
+        self._prepared: Prepared | None = None  # the running layer's, to check after its forward
+        self._plain = False  # this forward runs unchecked, without regions (a KV cache in eval mode)
         self._replaying = 0
         self._handles = []
         for i, layer in enumerate(layers):
@@ -73,32 +84,53 @@ class ChainCheckpoint:
     # -- forward, driven by the parent's calls ----------------------------------------------
 
     def _pre(self, i: int):
-        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             if self._replaying:
-                return
+                return None
+            prepared = self.side_effects.prepare(module, module.forward, args, kwargs)
             if i == 0:
                 self._abandon()  # regions left open by an exception in the last forward
+                # Hugging Face does not checkpoint in eval mode; a cache there is filled, once.
+                self._plain = prepared is not None and prepared.uncheckpointed
                 if self.treatment.offload:
                     # Pushed before the first region opens and popped after the last
                     # closes, so the regions' saved inputs go through it (hooks nest).
                     self._offload = self.treatment.offloading()
                     self._offload.__enter__()
+            if self._plain:
+                return None
+            self._prepared = prepared
+            if prepared is not None:
+                args, kwargs = prepared.args, prepared.kwargs
             if self.inside[i]:
                 self._check_chain(i, args, kwargs)
+            self._last_rest = (args[1:], kwargs)
             for region in self.opens_at[i]:
                 self._enter(region, args, kwargs)
+            return (args, kwargs) if prepared is not None and prepared.changed else None
 
         return hook
 
     def _post(self, i: int):
-        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, _args: tuple, output: Any) -> None:
             if self._replaying:
                 return
-            self._last_output, self._last_index = output, i
-            for _region in self.closes_at[i]:
-                if not self._open:  # a failed chain check has abandoned them already
-                    break
-                self._exit()
+            if not self._plain:
+                prepared, self._prepared = self._prepared, None
+                if prepared is not None and output is not None:  # None: the forward raised
+                    try:
+                        prepared.check(f"{self.names[i]} ({type(module).__name__})", module.forward, module.training)
+                    except RuntimeError:
+                        self._abandon()
+                        raise
+                self._last_output, self._last_index = output, i
+                for _region in self.closes_at[i]:
+                    if not self._open:  # a failed chain check has abandoned them already
+                        break
+                    self._exit()
+            if i == len(self.layers) - 1:
+                # Held until the next forward, they would keep this step's graph alive through it.
+                self._last_output, self._last_rest = None, ((), {})
             if i == len(self.layers) - 1 and self._offload is not None:
                 self._offload.__exit__(None, None, None)
                 self._offload = None
@@ -106,28 +138,41 @@ class ChainCheckpoint:
         return hook
 
     def _check_chain(self, i: int, args: tuple, kwargs: dict) -> None:
+        rest, kw = self._last_rest
         if self._last_index != i - 1:
             got = f"was called after {self.names[self._last_index]}" if self._last_index >= 0 else "was called first"
-        elif kwargs:
-            got = "got keyword arguments"
-        elif len(args) != 1:
-            got = f"got {len(args)} positional arguments"
-        elif args[0] is not self._last_output or not isinstance(args[0], torch.Tensor):
+        elif not args or args[0] is not self._last_output or not isinstance(args[0], torch.Tensor):
             got = "got a different value"
+        elif len(args) != len(rest) + 1:
+            got = f"got {len(args)} positional arguments, {self.names[i - 1]} {len(rest) + 1}"
+        elif not same_arguments(args[1:], rest):
+            got = f"got other positional arguments after the first than {self.names[i - 1]}"
+        elif kwargs.keys() != kw.keys():
+            got = f"got the keyword arguments {sorted(kwargs)}, {self.names[i - 1]} {sorted(kw)}"
+        elif not same_arguments(kwargs, kw):
+            differ = [k for k in kwargs if not same_arguments(kwargs[k], kw[k])]
+            got = f"got other values than {self.names[i - 1]} for the keyword arguments {differ}"
         else:
             return
         self._abandon()
+        # The first sentence is matched by tests (tests/test_properties.py): keep its shape.
         raise RuntimeError(
             f"ckpt.segments: {self.names[i]} did not take {self.names[i - 1]}'s output as its one input "
             f"(it {got}), "
             f"so these layers are not a chain and a segment cannot be recomputed from its first input. "
-            f"Use segments only over layers that feed each other one tensor (an nn.Sequential, or a "
-            f"ModuleList applied as x = layer(x)), or set ckpt.segments=null to checkpoint each layer."
+            f"Use segments only over layers that feed each other one tensor and all get the same keyword "
+            f"arguments (an nn.Sequential, or a ModuleList applied as x = layer(x, **kwargs)), or set "
+            f"ckpt.segments=null to checkpoint each layer."
         )
 
     def _enter(self, region: Region, args: tuple, kwargs: dict) -> None:
-        gen = open_region(self._replay(region), self.preserve_rng_state, self._context_fns[region] or noop_context_fn, *args, **kwargs)
-        self._open.append((region, gen))
+        self._open.append((region, self._open_region(region, args, kwargs)))
+
+    def _open_region(self, region: Region, args: tuple, kwargs: dict) -> Any:
+        # The keyword arguments reach the recomputation through its closure: torch reads only the
+        # positional ones (for devices and RNG states), and our names cannot collide with its own.
+        context_fn = self._context_fns[region] or noop_context_fn
+        return open_region(self._replay(region, kwargs), self.preserve_rng_state, context_fn, *args)
 
     def _exit(self) -> None:
         _region, gen = self._open.pop()
@@ -155,27 +200,45 @@ class ChainCheckpoint:
         finally:
             self._replaying -= 1
 
-    def _replay(self, region: Region):
-        def recompute(*args: Any, **kwargs: Any) -> Any:
+    def _replay(self, region: Region, kwargs: dict):
+        def recompute(*args: Any) -> Any:
             with self._hooks_off():
-                return self._run(region.children, *args, **kwargs)
+                return self._run(region.children, args, kwargs)
 
         return recompute
 
-    def _run(self, nodes: tuple[Node, ...], *args: Any, **kwargs: Any) -> Any:
+    def _run(self, nodes: tuple[Node, ...], args: tuple, kwargs: dict) -> Any:
+        """The layers of ``nodes`` as a chain: each gets the previous output, then ``args[1:]`` and ``kwargs``."""
+        rest = args[1:]
         for node in nodes:
             if isinstance(node, Region):
-                gen = open_region(self._replay(node), self.preserve_rng_state, self._context_fns[node] or noop_context_fn, *args, **kwargs)
+                gen = self._open_region(node, args, kwargs)
                 try:
-                    out = self._run(node.children, *args, **kwargs)
+                    out = self._run(node.children, args, kwargs)
                 except BaseException:
                     gen.close()
                     raise
                 close_region(gen)
             else:
                 out = self.layers[node](*args, **kwargs)
-            args, kwargs = (out,), {}
+            args = (out, *rest)
         return out
+
+
+def same_arguments(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same arguments: the very same objects, or equal plain values
+    (containers compared item by item), so a replay with ``b`` computes what the call with ``a`` did."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(map(same_arguments, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_arguments(a[k], b[k]) for k in a)
+    if isinstance(a, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return a == b
+    return False
 
 
 def chains_of(model: nn.Module) -> list[ChainCheckpoint]:

@@ -22,6 +22,13 @@ The recompute context below snapshots every running-statistics buffer in the
 wrapped subtree and writes it back afterwards, so statistics match a run
 without checkpointing bit for bit.
 
+Arguments are the other side effect: a Hugging Face KV cache would be filled
+again by the recomputation, and any mutable argument changed twice. Each call
+goes through ``side_effects.py`` first (one :class:`SideEffects` per
+:func:`install`): caches are neutralised in training as transformers' own
+checkpointing does, with one warning, and a forward that changes an argument
+raises at once (issue #14).
+
 The recomputation must save what the forward saved; torch checks it. With
 ``ckpt.check_recompute=true`` or inside ``checking_recomputation()`` the error
 also names the module (``recompute_check.py``), at a Python hook per saved tensor.
@@ -48,6 +55,7 @@ from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
 from ckpt_plugin.engine.sequential import schedule
+from ckpt_plugin.engine.side_effects import SideEffects, remove_cache_hooks, turn_cache_off_above
 from ckpt_plugin.engine.treatment import Treatment
 
 class CheckpointedForward:
@@ -59,39 +67,55 @@ class CheckpointedForward:
     a recomputation that saves something other than its forward did is reported
     with it (``recompute_check.py``). Unchecked, a module without a selective
     policy or BatchNorm statistics runs plain ``checkpoint(fn, *args, use_reentrant=False)``.
+    ``side_effects`` is shared by the modules of one installation (a fresh one when not given).
     """
 
-    __slots__ = ("inner", "previous", "treatment", "name", "_context_fn", "_checked_context_fn", "_stats")
+    __slots__ = ("inner", "previous", "treatment", "name", "module", "label", "side_effects",
+                 "_context_fn", "_checked_context_fn", "_stats")
 
-    def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None) -> None:
+    def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None,
+                 side_effects: SideEffects | None = None) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.treatment = treatment
         self.name = name
-        label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
+        self.module = module  # for its training flag (``inner`` holds it already)
+        self.side_effects = side_effects or SideEffects()
+        self.label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
         self._context_fn = treatment.context_fn(self._stats)  # None: nothing of ours runs in the call
-        self._checked_context_fn = treatment.context_fn(self._stats, label)
+        self._checked_context_fn = treatment.context_fn(self._stats, self.label)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
         with t.offloading():  # outside checkpoint: offloads what checkpointing still keeps
             if not t.checkpointing:
                 return self.inner(*args, **kwargs)
-            if t.checkpoint_fn is not None:  # another checkpoint implementation (DeepSpeed's)
-                return t.checkpoint_fn(self.inner, self._stats, *args, **kwargs)
-            # kwargs travel in a partial so that a forward argument can never
-            # collide with checkpoint's own keywords (``context_fn``, ...).
-            fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
-            context_fn = self._context_fn
-            if t.checked():  # decided per call, as checking_recomputation() is scoped
-                context_fn = self._checked_context_fn
-                if self._context_fn is None and checkpoint_debug_enabled():
-                    # torch's debug mode refuses a context_fn and prints every op of both runs
-                    # on a mismatch: it replaces our check rather than fail.
-                    context_fn = None
-            options = {"context_fn": context_fn} if context_fn else {}
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
+            prepared = self.side_effects.prepare(self.module, self.inner, args, kwargs)
+            if prepared is None:
+                return self._checkpointed(args, kwargs)
+            if prepared.uncheckpointed:
+                return self.inner(*args, **kwargs)
+            out = self._checkpointed(prepared.args, prepared.kwargs)
+            prepared.check(self.label, self.inner, self.module.training)
+            return out
+
+    def _checkpointed(self, args: tuple, kwargs: dict) -> Any:
+        t = self.treatment
+        if t.checkpoint_fn is not None:  # another checkpoint implementation (DeepSpeed's)
+            return t.checkpoint_fn(self.inner, self._stats, *args, **kwargs)
+        # kwargs travel in a partial so that a forward argument can never
+        # collide with checkpoint's own keywords (``context_fn``, ...).
+        fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
+        context_fn = self._context_fn
+        if t.checked():  # decided per call, as checking_recomputation() is scoped
+            context_fn = self._checked_context_fn
+            if self._context_fn is None and checkpoint_debug_enabled():
+                # torch's debug mode refuses a context_fn and prints every op of both runs
+                # on a mismatch: it replaces our check rather than fail.
+                context_fn = None
+        options = {"context_fn": context_fn} if context_fn else {}
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 
 
 def wrapped_modules(model: nn.Module) -> list[str]:
@@ -119,6 +143,7 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     """
     model = uncompiled(model)
     removed = wrapped_modules(model)
+    remove_cache_hooks(model)
     for chain in chains_of(model):
         chain.remove()
     for module in model.modules():
@@ -148,12 +173,17 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
             raise_problems(check_consecutive(model, list(group.names)), "ckpt.segments")
             schedule(len(group.names), group.segments)  # raises if segments > len(names)
     remove_checkpointing(model)
+    side_effects = SideEffects()  # this installation's: it warns about a KV cache once
     for group in plan.groups:
         if isinstance(group, Segments):
-            ChainCheckpoint(list(group.names), [modules[n] for n in group.names], group.segments, group.treatment)
+            layers = [modules[n] for n in group.names]
+            ChainCheckpoint(list(group.names), layers, group.segments, group.treatment, side_effects)
         else:
             for name in group.names:
-                modules[name].__dict__["forward"] = CheckpointedForward(modules[name], group.treatment, name)
+                modules[name].__dict__["forward"] = CheckpointedForward(
+                    modules[name], group.treatment, name, side_effects)
+    if any(g.treatment.checkpointing for g in plan.groups):
+        turn_cache_off_above(model, plan.names, side_effects)  # a Hugging Face model above: use_cache=False
     return plan.names
 
 
