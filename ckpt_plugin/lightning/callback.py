@@ -1,12 +1,26 @@
 """``ActivationCheckpointing``: the Lightning callback behind ``callbacks: activation_checkpointing``.
 
-When it wraps: ``on_fit_start``. Lightning calls a callback's ``setup``
-*before* ``LightningModule.configure_model``, so layers built there (the usual
-place under FSDP, DeepSpeed ZeRO-3 or meta-device init) do not exist yet in
-``setup``. ``on_fit_start`` runs after ``configure_model`` and after the
+Its keyword arguments are the keys of the ``ckpt`` config node, typed and
+documented, so Hydra (``instantiate`` on the node) and LightningCLI
+(``--trainer.callbacks.layers=Block``, or ``init_args`` in its YAML) build it
+alike, and ``fit --trainer.callbacks.help ckpt_plugin.ActivationCheckpointing``
+lists them.
+
+When it checks: the keys when it is built; the layer selection in ``setup``,
+before ``configure_optimizers`` and the first batch. Lightning calls a
+callback's ``setup`` *before* ``LightningModule.configure_model``, so when
+nothing matches yet and the module builds layers in ``configure_model`` (or its
+own ``setup``), the check waits for ``on_fit_start``.
+
+When it wraps: ``on_fit_start``. It runs after ``configure_model`` and after the
 strategy has wrapped the model (DDP, FSDP, DeepSpeed), and before the sanity
 check and the first batch, so every layer is there and nothing has run yet.
 ``teardown`` (or ``on_exception``) unwraps, leaving the module as it was given to ``fit``.
+
+What a checkpoint records: :meth:`ActivationCheckpointing.state_dict`, under
+the key ``ActivationCheckpointing`` (Lightning's default ``state_key``, the
+class name: one instance per Trainer). A resume with other keys warns once,
+naming each change, and goes on with this run's keys.
 """
 
 from __future__ import annotations
@@ -17,11 +31,18 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 
+from ckpt_plugin import __version__
 from ckpt_plugin.config.plan import plan_for
-from ckpt_plugin.config.schema import AutoConfig, NoneConfig, as_keys, make_config
+from ckpt_plugin.config.schema import AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
+from ckpt_plugin.engine.chain import check_consecutive
+from ckpt_plugin.engine.plan import Segments
+from ckpt_plugin.engine.sequential import schedule
 from ckpt_plugin.engine.wrap import install, policy_of, remove_checkpointing
+from ckpt_plugin.errors import ConfigError, raise_problems
 from ckpt_plugin.lightning.strategies import prepare
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
@@ -34,14 +55,68 @@ class ActivationCheckpointing(pl.Callback):
 
     >>> trainer = Trainer(callbacks=[ActivationCheckpointing(layers="TransformerBlock")])
 
-    The keys are checked here, when the callback is built; the layer names
-    are checked against the model when fitting starts, before anything is
-    wrapped.
+    A key left unset (None; null in YAML) takes the mode's default; a key the
+    mode does not have is an error when it is given (``mode="full",
+    budget="1GiB"``). The keys are checked here, when the callback is built;
+    the layers against the model in ``setup``, before anything is wrapped.
+
+    Args:
+        mode: full (torch's checkpoint around each layer: keep its inputs, recompute the rest), selective (save
+            the outputs of the ops that policy names, recompute the others), offload (no recompute: what the layers
+            save lives in CPU memory), auto (per layer, the least recompute that fits budget) or none (train
+            without checkpointing; every other key is accepted and ignored).
+        layers: The modules to checkpoint, required unless mode is none: auto (the model's repeated block), class
+            names (Block), module names (blocks.3), dotted class paths (pkg.models.Block), module-name globs
+            (blocks.*) or regexes (re:blocks\\.[0-9]+); one or a list.
+        every_n: Wrap every n-th matched layer (unset: 1, every one).
+        preserve_rng_state: Replay the RNG state on recompute, so dropout masks match (unset: true). Not for
+            offload.
+        check_recompute: Name the module whose recomputation saves other tensors than its forward did, at a hook
+            per saved tensor (unset: false; torch's own check still runs, unnamed). full and selective.
+        segments: Checkpoint a chain of consecutive layers in segments: a count, sqrt or recursive (unset: one
+            checkpoint per layer). full and selective.
+        offload: Keep what checkpointing still saves (the layers' inputs) in CPU memory (unset: false). full and
+            selective.
+        policy: selective: the ops whose outputs are saved: matmuls, matmuls_no_batch, names (the tensors tagged
+            with checkpoint_name) or a list of aten op names (unset: matmuls).
+        save_names: selective with policy names: save exactly the checkpoint_name tensors named here.
+        exclude_names: selective with policy names: save every checkpoint_name tensor except these.
+        budget: auto, required there: the activation memory to fit, a fraction of the peak without checkpointing
+            (0.4, 40%) or a size (2GiB, 512MiB).
+        deepspeed: full: DeepSpeed's own checkpoint, under a DeepSpeed strategy, with these options
+            (partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
+            synchronize_checkpoint_boundary, profile) (unset: torch's checkpoint).
     """
 
-    def __init__(self, **ckpt_keys: Any) -> None:
+    def __init__(
+        self,
+        *,
+        mode: str = "full",
+        layers: str | list[str] | None = None,
+        every_n: int | None = None,
+        preserve_rng_state: bool | None = None,
+        check_recompute: bool | None = None,
+        segments: int | str | None = None,
+        offload: bool | None = None,
+        policy: str | list[str] | None = None,
+        save_names: str | list[str] | None = None,
+        exclude_names: str | list[str] | None = None,
+        budget: int | float | str | None = None,
+        deepspeed: dict[str, Any] | None = None,
+        **misspelt: Any,
+    ) -> None:
         super().__init__()
-        self.config = make_config(**ckpt_keys)
+        keys = {
+            "layers": layers, "every_n": every_n, "preserve_rng_state": preserve_rng_state,
+            "check_recompute": check_recompute, "segments": segments, "offload": offload, "policy": policy,
+            "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "deepspeed": deepspeed,
+        }
+        # None is "the mode's default": left out, so a key the mode lacks is an error only when it is given
+        # (Hydra's instantiate hands over every key of the mode's node, its nulls included). Any other
+        # keyword is a misspelt key: make_config names it with the closest valid one, where Python would
+        # only say "unexpected keyword argument" (jsonargparse never passes one: it refuses them itself).
+        given = {k: v for k, v in keys.items() if v is not None}
+        self.config = make_config(mode=mode, **given, **misspelt)
         self.wrapped: list[str] = []  # qualified names wrapped in the current fit
         self.report: WrapReport | None = None
         self.planned: Any = None  # ckpt=auto's Plan: predicted activation peak and step time
@@ -49,9 +124,38 @@ class ActivationCheckpointing(pl.Callback):
         self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
         self._counting: Any = None  # its hooks, between batch start and backward
 
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(**as_keys(self.config))
+    # -- the checkpoint's record: what this fit was trained with ----------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The keys (mode included), the modules this fit wrapped and the plugin's version; plain Python."""
+        return {"config": _plain(as_keys(self.config)), "wrapped": list(self.wrapped), "version": __version__}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Warn once, naming each change, when the checkpoint was trained with other keys; nothing is restored."""
+        saved = state_dict.get("config")
+        if not isinstance(saved, dict):  # a record without the keys: nothing to compare
+            return
+        changes = _changes(saved, _plain(as_keys(self.config)))
+        if changes:
+            rank_zero_warn(
+                f"{type(self).__name__}: this run's ckpt config differs from the checkpoint's: {', '.join(changes)}. "
+                "Training resumes with this run's config (activation checkpointing does not change the weights, "
+                "only memory and time)."
+            )
+
+    # -- fit: check at setup, wrap at fit start ----------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or isinstance(self.config, NoneConfig):
+            return
+        try:
+            _check_on(pl_module, self.config)
+        except ConfigError:
+            # Lightning calls configure_model (and the module's own setup) after this hook: layers built
+            # there do not exist yet. on_fit_start checks again, once they do.
+            if any(is_overridden(hook, pl_module) for hook in ("configure_model", "configure_sharded_model", "setup")):
+                return
+            raise
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(self.config, NoneConfig):
@@ -148,3 +252,41 @@ class ActivationCheckpointing(pl.Callback):
         # Lightning skips teardown when fit raises; unwrap here so the module is still left as it was given.
         self._stop_counting()
         remove_checkpointing(pl_module)
+
+
+def _check_on(model: nn.Module, config: CkptConfig) -> None:
+    """What ``config`` asks of ``model`` that needs no forward: the layer selection and a segment chain."""
+    if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
+        config = FullConfig(layers=config.layers, every_n=config.every_n)
+    for group in plan_for(model, config).groups:  # the checks install() makes before touching the model
+        if isinstance(group, Segments):
+            raise_problems(check_consecutive(model, list(group.names)), "ckpt.segments")
+            schedule(len(group.names), group.segments)  # raises if there are more segments than layers
+
+
+def _plain(value: Any) -> Any:
+    """Tuples to lists, through dicts: what a checkpoint stores and a warning shows, as the keys were typed."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key old -> new`` for each key whose value differs; a key one side lacks (another mode's) is (unset)."""
+    unset = object()
+    changes = []
+    for key in dict.fromkeys([*current, *saved]):
+        old, new = saved.get(key, unset), current.get(key, unset)
+        if old != new and not (None in (old, new) and unset in (old, new)):  # a null that one mode lacks: no change
+            changes.append(f"{key} {_shown(old, unset)} -> {_shown(new, unset)}")
+    return changes
+
+
+def _shown(value: Any, unset: object) -> str:
+    if value is unset:
+        return "(unset)"
+    if isinstance(value, list) and len(value) == 1:
+        return repr(value[0])  # layers=Block is stored as ['Block']
+    return repr(value)
