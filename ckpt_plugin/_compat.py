@@ -178,19 +178,45 @@ def checkpoint_wrapper_type() -> type:
     return CheckpointWrapper
 
 
-# -- for checkpoint under torch.compile (treatment.py, wrapping.py) --
+# -- the user's own module inside the wrappers a training setup puts around it (selection.py, wrap.py) --
 
-def uncompiled(model: Any) -> Any:
-    """The module ``torch.compile(model)`` wraps (``OptimizedModule._orig_mod``), else ``model``.
-
-    Its names are the model's own (no ``_orig_mod.`` prefix), and wrapping its
-    modules is what the compiled module runs: dynamo guards on each module's
-    ``forward``, so a change after a compiled run recompiles.
-    """
+def _inner(model: Any) -> Any:
+    """The module one wrapper layer holds, or None when ``model`` is no wrapper we know."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
     if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        return model._orig_mod
+        return model._orig_mod  # torch.compile: private attribute, no public getter
+    # Lightning Fabric's ``fabric.setup(model)``, detected without importing Lightning:
+    # ``_FabricModule._original_module`` (private to Lightning) is the module the user passed,
+    # while ``_forward_module`` may be the strategy's wrapper (DDP, FSDP) around it.
+    original = getattr(model, "_original_module", None) if type(model).__name__ == "_FabricModule" else None
+    if isinstance(original, torch.nn.Module):
+        return original
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        return model.module  # public
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")  # FSDP (v1), if in use
+    if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
+        return model.module  # public property: the root's ``_fsdp_wrapped_module``
+    return None
+
+
+def user_module(model: Any) -> Any:
+    """The module the user built, inside any ``torch.compile``, DDP, DataParallel, FSDP (v1)
+    or Lightning Fabric wrapper, nested in any order; ``model`` itself if it is none of those.
+
+    Its names are the user's own (``blocks.0``, not ``_forward_module.module.blocks.0``),
+    and its modules are the very ones the wrappers run, so wrapping them is what
+    training runs (dynamo guards on each module's ``forward``: a change after a
+    compiled run recompiles). Inner FSDP (v1) units keep torch's
+    ``_fsdp_wrapped_module`` in their names: they are modules of the model now.
+    """
+    while (inner := _inner(model)) is not None:
+        model = inner
     return model
+
+
+def uncompiled(model: Any) -> Any:
+    """Former name of :func:`user_module` (which also looks through DDP, FSDP and Fabric)."""
+    return user_module(model)
 
 
 def tracing_for_compile() -> bool:

@@ -524,3 +524,39 @@ def test_raised_by_fake_tensors_tells_a_data_dependent_op_from_other_errors():
             torch.ones(2).sum().item()
     assert _compat.raised_by_fake_tensors(info.value)
     assert not _compat.raised_by_fake_tensors(ValueError("shape mismatch"))
+
+
+# -- user_module: the user's module inside compile, DataParallel, DDP, FSDP and Fabric wrappers --
+# (real Fabric, DDP and FSDP, with names and gradients: tests/test_fabric.py)
+
+
+class _FabricModule(nn.Module):
+    """Lightning Fabric's wrapper as user_module sees it: a class of that name holding ``_original_module``."""
+
+    def __init__(self, forward_module: nn.Module, original_module: nn.Module) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        self._original_module = original_module
+
+
+def test_user_module_looks_through_every_wrapper_in_any_order() -> None:
+    model = _mlp()
+    assert _compat.user_module(model) is model
+    assert _compat.user_module(nn.DataParallel(model)) is model  # CPU: no device, the module runs as it is
+    assert _compat.user_module(torch.compile(nn.DataParallel(model))) is model
+    assert _compat.user_module(_FabricModule(nn.DataParallel(model), model)) is model
+    assert _compat.user_module(torch.compile(_FabricModule(torch.compile(model), model))) is model
+    assert _compat.uncompiled(torch.compile(_FabricModule(model, model))) is model  # the former name, same answer
+
+
+def test_user_module_leaves_lookalikes_alone() -> None:
+    class Wrapper(nn.Module):  # holds _original_module, but is no Fabric wrapper
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self._original_module = inner
+
+    wrapper = Wrapper(_mlp())
+    assert _compat.user_module(wrapper) is wrapper
+    no_original = _FabricModule(_mlp(), _mlp())
+    del no_original._original_module
+    assert _compat.user_module(no_original) is no_original

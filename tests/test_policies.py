@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from ckpt_plugin._compat import hook_count
 from ckpt_plugin.engine.functional import checkpoint
 from ckpt_plugin.measure.memory import saved_bytes, step_flops
 from ckpt_plugin.engine.policies import SelectivePolicy, checkpoint_name, make_policy
@@ -567,3 +568,46 @@ def test_checkpoint_name_needs_a_name():
 def test_policy_repr():
     assert repr(make_policy("names", save_names="a")) == "SelectivePolicy('names', save_names=('a',))"
     assert isinstance(make_policy(["mm"]), SelectivePolicy)
+
+
+# --------------------------------------------------------------------------- names checked in the Python API
+
+
+def _names_model(**names: Any) -> nn.Module:
+    from ckpt_plugin import apply_checkpointing
+
+    model = small_gpt()
+    apply_checkpointing(model, mode="selective", layers="TransformerBlock", policy="names", **names)
+    return model
+
+
+def test_apply_checkpointing_raises_for_an_unknown_name_in_the_first_backward():
+    # What the callback and checkpoint() already do: a typo in save_names never trains silently.
+    model = _names_model(save_names=["atn_out"])
+    x = model.example_input_array
+    with torch.no_grad():  # no checkpointed forward (validation): nothing to judge
+        model(x)
+    loss = model(x).sum()  # the first training step: its forward has tagged every name it uses
+    message = r"^ckpt.save_names: no checkpoint_name in the model uses 'atn_out'; names used: attn_out, mlp_hidden$"
+    with pytest.raises(ValueError, match=message):
+        loss.backward()
+    model(x).sum().backward()  # checked once, as the callback does: the model still trains
+
+
+def test_apply_checkpointing_with_names_in_use_trains_and_leaves_nothing_on_the_model():
+    from ckpt_plugin import remove_checkpointing
+
+    hooks = hook_count(small_gpt())
+    model = _names_model(exclude_names=["mlp_hidden"])
+    assert hook_count(model) == hooks  # the check lives with the policy: remove restores exactly
+    model(model.example_input_array).sum().backward()
+    assert remove_checkpointing(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+
+
+def test_apply_checkpointing_checks_names_under_segments_too():
+    model = _names_model(save_names=["attn_out", "mlp"], segments=2)
+    loss = model(model.example_input_array).sum()
+    # The names used, closest first.
+    with pytest.raises(ValueError, match=r"^ckpt.save_names: no checkpoint_name in the model uses 'mlp'; names used: "
+                                         r"mlp_hidden, attn_out$"):
+        loss.backward()

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
-from ckpt_plugin._compat import uncompiled
+from ckpt_plugin._compat import user_module
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
 from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
 from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
 from ckpt_plugin.engine.policies import make_policy
-from ckpt_plugin.engine.selection import select_layers
+from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
-from ckpt_plugin.engine.wrap import install
+from ckpt_plugin.engine.wrap import install, policy_of
 from ckpt_plugin.errors import Problem, raise_problems
+from ckpt_plugin.measure.memory import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
 from ckpt_plugin.planning.profile import profile, wrap_plan
@@ -57,33 +59,50 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
-    profile; by default ``model(model.example_input_array)``.
+    profile; by default ``model(model.example_input_array)``. ``model`` may be
+    wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
     """
-    model = uncompiled(model)
+    model = user_module(model)
     if isinstance(config, NoneConfig):
         return WrapPlan()
-    names = select_layers(model, config.layers, config.every_n)
+    layers, note = resolve_layers(model, config.layers)
+    note = note or ""
+    names = select_layers(model, layers, config.every_n)
     if isinstance(config, AutoConfig):
         measured = profile(model, names, lambda: scalar((forward or example_forward(model))()), timed=True)
         chosen = measured.plan(resolve(parse_budget(config.budget), measured.no_ckpt_peak))  # raises if it cannot fit
-        return wrap_plan(chosen, config.preserve_rng_state)
+        plan = wrap_plan(chosen, config.preserve_rng_state)
+        summary = plan.summary
+        if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
+            summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
+                        f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
+        return replace(plan, summary="\n".join(filter(None, [note, summary])), note=note)
     segments = getattr(config, "segments", None)
     if segments is None:
-        return WrapPlan((EachLayer(tuple(names), treatment_of(config)),))
+        return WrapPlan((EachLayer(tuple(names), treatment_of(config)),), summary=note, note=note)
     if config.every_n != 1:
         raise_problems([Problem(
             "ckpt.segments",
             f"ckpt.segments={segments} cannot be combined with ckpt.every_n={config.every_n}: "
             "segments group consecutive layers", "drop one of the two")])
-    return WrapPlan((Segments(tuple(names), segments, treatment_of(config)),))
+    return WrapPlan((Segments(tuple(names), segments, treatment_of(config)),), summary=note, note=note)
 
 
 def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> list[str]:
-    """Plan ``config`` on ``model`` and install the plan; returns the qualified names wrapped."""
+    """Plan ``config`` on ``model`` and install the plan; returns the qualified names wrapped.
+
+    With ``ckpt.policy=names``, the first backward checks the names, as the
+    Lightning callback does after its first step and ``checkpoint()`` after its
+    first call: a name in ``ckpt.save_names``/``exclude_names`` that no
+    ``checkpoint_name`` used would otherwise save nothing, silently.
+    """
     plan = plan_for(model, config, forward)
     names = install(model, plan)
     if plan.summary:
         log.info(plan.summary)
+    policy = policy_of(user_module(model))
+    if policy is not None and policy.uses_names:
+        policy.check_in_backward = True  # nothing on the model: remove_checkpointing leaves it as it was
     return names
 
 

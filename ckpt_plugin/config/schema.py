@@ -38,8 +38,10 @@ def _quote_all(items: Iterable[str]) -> str:
 class LayerSelection:
     """Which modules to checkpoint; shared by every mode that wraps modules."""
 
-    # Class names ("TransformerBlock"), dotted class paths ("pkg.mod.Block"),
-    # module-name globs ("blocks.*") or regexes ("re:blocks\.[0-9]+"); a string or a list.
+    # "auto" (the model's repeated block: HF _no_split_modules, else the longest run of one class
+    # in a ModuleList/Sequential), or class names ("TransformerBlock"), module names ("head",
+    # "blocks.3"), dotted class paths ("pkg.mod.Block"), module-name globs ("blocks.*") or
+    # regexes ("re:blocks\.[0-9]+"); a string or a list. A plain word that names a module wins.
     # Required; None (YAML null) until the user names them, so our message, not Hydra's, says so.
     layers: Any = None
     # Wrap every n-th matched layer (the n-th, 2n-th, ...): 1 wraps all of them.
@@ -52,8 +54,8 @@ class LayerSelection:
             problems.append(Problem(
                 "ckpt.layers",
                 "ckpt.layers is required: name the modules to checkpoint, e.g. "
-                "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'] "
-                "(or choose ckpt=none to switch checkpointing off)",
+                "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'], or let "
+                "ckpt.layers=auto choose them (or choose ckpt=none to switch checkpointing off)",
             ))
         else:
             if isinstance(layers, str):
@@ -82,6 +84,14 @@ class LayerSelection:
                     ))
                 else:
                     self.layers = tuple(x.strip() for x in layers)
+                    if "auto" in self.layers and len(self.layers) > 1:
+                        others = ", ".join(repr(x) for x in self.layers if x != "auto")
+                        problems.append(Problem(
+                            "ckpt.layers",
+                            "ckpt.layers: 'auto' chooses every layer itself and cannot be combined with "
+                            f"other entries ({others})",
+                            "give ckpt.layers=auto alone, or name every layer",
+                        ))
         if isinstance(self.every_n, bool) or not isinstance(self.every_n, int):
             problems.append(Problem(
                 "ckpt.every_n",

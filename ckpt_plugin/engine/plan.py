@@ -38,14 +38,18 @@ Group = EachLayer | Segments
 class WrapPlan:
     """What :func:`~ckpt_plugin.engine.wrap.install` puts on a model; empty: nothing wrapped.
 
-    ``summary`` is what the planner wants said when the plan is installed (``ckpt=auto``'s table);
-    ``planned`` its own account of the plan (``ckpt=auto``'s ``Plan``: predicted peak and time), for
-    the callback and tools that report it beside what the step then measures.
+    ``summary`` is what is to be said when the plan is installed: ``note`` first, then
+    ``ckpt=auto``'s table (and, when it wraps nothing, that the budget is why); ``note`` says what ``ckpt.layers=auto`` chose (``ckpt.layers=auto
+    chose GPT2Block (HF _no_split_modules): 12 modules``), "" otherwise, for reports that show
+    it apart (``measure/report.py``); ``planned`` is the planner's own account of the plan
+    (``ckpt=auto``'s ``Plan``: predicted peak and time), for the callback and tools that report
+    it beside what the step then measures.
     """
 
     groups: tuple[Group, ...] = ()
     summary: str = ""
     planned: Any = None
+    note: str = ""
 
     @property
     def names(self) -> list[str]:

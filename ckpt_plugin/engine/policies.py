@@ -199,6 +199,8 @@ class SelectivePolicy:
     the ``context_fn`` for ``checkpoint(..., use_reentrant=False, context_fn=...)``.
     ``seen_names`` collects the ``checkpoint_name`` tags met by forwards so far;
     ``uses_names`` is whether it goes by those tags (``policy="names"``) rather than by ops.
+    ``check_in_backward`` (set by ``apply_checkpointing``) runs :meth:`check_names` once, as
+    the first recomputation starts: by then the whole forward of the step has tagged.
     """
 
     def __init__(self, policy: Any, *, save_names: Any = None, exclude_names: Any = None) -> None:
@@ -257,6 +259,7 @@ class SelectivePolicy:
         raise_problems(problems, "the selective checkpointing policy")
         self.policy = policy
         self.seen_names: set[str] = set()
+        self.check_in_backward: bool = False
 
     def saves(self, op: Any, args: tuple, kwargs: dict, *, record: bool = True) -> bool:
         """Whether the output of this call of ``op`` is kept for backward."""
@@ -416,6 +419,10 @@ class _ReplayMode(_RegionMode):
     """Recomputation: hand back what was saved, run everything else again."""
 
     def __enter__(self) -> _RegionMode:
+        policy = self.region.policy
+        if policy.check_in_backward:  # the first recomputation of the first backward: once
+            policy.check_in_backward = False
+            policy.check_names()
         # Unpack here, outside dispatch: an unpack hook may run ops of its own (copies back
         # from CPU, an enclosing checkpoint's recomputation).
         unpack = lambda e: e.value() if isinstance(e, _Saved) else e  # noqa: E731

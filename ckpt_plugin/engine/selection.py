@@ -2,14 +2,23 @@
 
 Each entry of ``ckpt.layers`` is read by its shape:
 
-==========================  =============================================
-``TransformerBlock``        modules whose class is named exactly that
-``pkg.models.Block``        the submodule of that qualified name if there
-                            is one, else instances of the imported class
-                            (subclasses included)
-``blocks.*``, ``*.attn``    module names matching the glob (``*?[``)
-``re:blocks\\.[0-9]+``      module names fully matching the regex
-==========================  =============================================
+================================  ==========================================
+``auto``                          chosen from the model; alone, not in a
+                                  list (:func:`resolve_layers`)
+``head``, ``TransformerBlock``    a plain word: the top-level module of that
+                                  name if there is one, else the modules
+                                  whose class is named exactly that (the
+                                  module name wins: the narrower reading)
+``blocks.3``, ``pkg.mod.Block``   the submodule of that qualified name if
+                                  there is one, else instances of the
+                                  imported class (subclasses included)
+``blocks.*``, ``*.attn``          module names matching the glob (``*?[``)
+``re:blocks\\.[0-9]+``            module names fully matching the regex
+================================  ==========================================
+
+Names are the user's own module's: a ``torch.compile``, DDP, FSDP (v1) or
+Lightning Fabric wrapper around the model is looked through
+(``_compat.user_module``), so ``blocks.0`` never becomes ``module.blocks.0``.
 
 Selection is checked against the model before anything is wrapped, and every
 entry that matches nothing is reported at once, with the names that do exist
@@ -27,6 +36,7 @@ from typing import ClassVar
 
 from torch import nn
 
+from ckpt_plugin._compat import user_module
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 _SHOWN = 12  # how many existing names an error lists before "..."
@@ -51,11 +61,13 @@ class ClassName:
         return any(c.__name__ == self.text for c in type(module).__mro__)
 
     def nothing_matched(self, model: nn.Module, names: list[str]) -> Problem:
+        # A plain word is a class name only once it is no top-level module's name: offer both.
         classes = {type(m).__name__ for m in model.modules()}
         return Problem(
             "ckpt.layers",
-            f"ckpt.layers: no module of class {self.text!r} in {type(model).__name__}",
-            f"class names in this model, closest first: {_shown(closest_first(self.text, classes))}",
+            f"ckpt.layers: no module of class {self.text!r} in {type(model).__name__} and none named {self.text!r}",
+            f"class names in this model, closest first: {_shown(closest_first(self.text, classes))}; "
+            f"module names, closest first: {_shown(closest_first(self.text, names))}",
         )
 
 
@@ -93,7 +105,7 @@ class _ByModuleName:
 
 @dataclass(frozen=True)
 class ModuleName(_ByModuleName):
-    """``blocks.3``: the submodule of exactly that qualified name."""
+    """``blocks.3``, ``head``: the submodule of exactly that qualified name."""
 
     text: str
     kind: ClassVar[str] = "module name"
@@ -148,10 +160,10 @@ def _parse(text: str, names: list[str], problems: list[Problem]) -> Selector | N
         return Regex(text, pattern)
     if any(c in text for c in "*?["):
         return Glob(text)
+    if text in names:  # "head", "blocks.3": a module's own name is the narrower reading
+        return ModuleName(text)
     if "." not in text:
         return ClassName(text)
-    if text in names:
-        return ModuleName(text)
     cls = _import_class(text)
     if cls is None:
         problems.append(Problem(
@@ -164,26 +176,167 @@ def _parse(text: str, names: list[str], problems: list[Problem]) -> Selector | N
     return ClassPath(text, cls)
 
 
-def select_layers(model: nn.Module, layers: Sequence[str], every_n: int = 1) -> list[str]:
+# ---------------------------------------------------------------------- ckpt.layers=auto
+
+AUTO = "auto"
+_STACKS = (nn.ModuleList, nn.Sequential)  # the containers a stack of blocks lives in
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive children of one class in an ``nn.ModuleList`` or ``nn.Sequential``: a stack of blocks."""
+
+    container: str  # its qualified name, "" for the model itself
+    cls: type
+    length: int
+    parameters: int  # elements of every parameter in the run, for ties
+
+
+def _runs(model: nn.Module) -> list[_Run]:
+    """Every run of two or more consecutive same-class children of a stack container, in model order."""
+    runs = []
+    for name, container in model.named_modules():
+        if not isinstance(container, _STACKS):
+            continue
+        children = list(container.children())
+        start = 0
+        for end in range(1, len(children) + 1):
+            if end < len(children) and type(children[end]) is type(children[start]):
+                continue
+            run = children[start:end]
+            if len(run) >= 2 and _has_forward(run[0]):  # a ModuleList of ModuleLists: no layer
+                params = sum(p.numel() for child in run for p in child.parameters())
+                runs.append(_Run(name, type(run[0]), len(run), params))
+            start = end
+    return runs
+
+
+def _declared_no_split(model: nn.Module) -> list[str]:
+    """The class names Hugging Face models in ``model`` declare in ``_no_split_modules``, in model order.
+
+    Read as an attribute of every module (a ``PreTrainedModel`` declares it, its
+    submodels too), so transformers is never imported. accelerate's ``device_map``
+    keeps these classes whole: they are the model's repeated blocks.
+    """
+    declared: dict[str, None] = {}
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if isinstance(names, (set, frozenset)):
+            names = sorted(names)
+        if isinstance(names, (list, tuple)):
+            declared.update((n, None) for n in names if isinstance(n, str) and n)
+    return list(declared)
+
+
+def _count(named: list[tuple[str, nn.Module]], classes: Sequence[str]) -> int:
+    """How many modules ``ckpt.layers=classes`` selects (nested matches dropped)."""
+    chosen = {n for n, m in named if any(ClassName(c).matches(n, m) for c in classes)}
+    return sum(not _has_ancestor_in(n, chosen) for n in chosen)
+
+
+def _nothing_repeated(model: nn.Module, declared: list[str]) -> Problem:
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    hf = (f"the classes its _no_split_modules declares ({', '.join(declared)}) are not in it" if declared
+          else "no submodule declares Hugging Face's _no_split_modules")
+    return Problem(
+        "ckpt.layers",
+        f"ckpt.layers=auto found no repeated block in {type(model).__name__}: {hf}, and no nn.ModuleList "
+        "or nn.Sequential holds two or more consecutive children of one class",
+        "name the layers instead (a class name, a module name or a glob such as 'blocks.*'); class names "
+        f"in this model, most instances first: {_shown(sorted(counts, key=lambda c: (-counts[c], c)))}",
+    )
+
+
+def _auto(model: nn.Module) -> tuple[tuple[str, ...], str]:
+    named = [(n, m) for n, m in model.named_modules() if n]
+    declared = _declared_no_split(model)
+    present = [c for c in declared if _count(named, [c])]
+    if present:
+        # Declared classes seen once (CLIPTextEmbeddings beside twelve CLIPEncoderLayer) are no stack.
+        repeated = [c for c in present if _count(named, [c]) >= 2] or present
+        n = _count(named, repeated)
+        return tuple(repeated), f"{', '.join(repeated)} (HF _no_split_modules): {_modules(n)}"
+    runs = _runs(model)
+    if not runs:
+        raise_problems([_nothing_repeated(model, declared)])
+    best = runs[0]
+    for run in runs[1:]:  # the longest; equal length: the most parameters; then the first in model order
+        if (run.length, run.parameters) > (best.length, best.parameters):
+            best = run
+    cls = best.cls.__name__
+    where = f"in {best.container!r}" if best.container else "in the model itself"
+    return (cls,), f"{cls} (the longest run of one class, {where}): {_modules(_count(named, [cls]))}"
+
+
+def _modules(n: int) -> str:
+    return f"{n} module" if n == 1 else f"{n} modules"
+
+
+def resolve_layers(model: nn.Module, layers: str | Sequence[str]) -> tuple[tuple[str, ...], str | None]:
+    """``ckpt.layers`` with ``auto`` replaced by the class names it chooses on ``model``, and a note saying so.
+
+    ``auto`` (alone: it chooses every layer itself) picks the model's repeated block:
+
+    1. a Hugging Face model's: the classes its ``_no_split_modules`` declares (on
+       the model or on any submodule) that occur in it; of those, only the ones
+       that occur more than once if any does;
+    2. otherwise the class of the longest run of consecutive same-class children
+       of an ``nn.ModuleList`` or ``nn.Sequential``; runs of equal length: the one
+       holding the most parameters, then the first in model order.
+
+    Every module of the chosen class is then selected, as ``ckpt.layers=<class>``
+    would. The note reads ``ckpt.layers=auto chose GPT2Block (HF _no_split_modules):
+    12 modules``; it is None when ``layers`` has no ``auto``, which is then returned
+    as it is. Raises a ConfigError when nothing repeats, or when ``auto`` is in a
+    list with other entries.
+    """
+    layers = (layers,) if isinstance(layers, str) else tuple(layers)
+    if AUTO not in layers:
+        return layers, None
+    if len(layers) > 1:
+        others = ", ".join(repr(x) for x in layers if x != AUTO)
+        raise_problems([Problem(
+            "ckpt.layers",
+            f"ckpt.layers: 'auto' chooses every layer itself and cannot be combined with other entries ({others})",
+            "give ckpt.layers=auto alone, or name every layer",
+        )])
+    chosen, why = _auto(user_module(model))
+    return chosen, f"ckpt.layers=auto chose {why}"
+
+
+# ---------------------------------------------------------------------- selection
+
+def select_layers(model: nn.Module, layers: str | Sequence[str], every_n: int = 1) -> list[str]:
     """Qualified names of the modules to wrap, in the model's order.
 
     Raises :class:`~ckpt_plugin.errors.ConfigError` (a ``ValueError``) naming
     every entry of ``ckpt.layers`` that matched nothing, or an ``every_n`` that
     keeps none of the matches. The root module itself is never a candidate, and
     a match nested inside another match is dropped (checkpointing inside a
-    checkpointed region only adds recompute).
+    checkpointed region only adds recompute). ``layers`` may be ``auto``
+    (:func:`resolve_layers`); ``model`` may be wrapped (compiled, DDP, FSDP,
+    Fabric): names are those of the module inside.
     """
+    model = user_module(model)
+    layers, _ = resolve_layers(model, layers)
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
+    modules = dict(named)
     problems: list[Problem] = []
     selectors = [s for s in (_parse(t, names, problems) for t in layers) if s]
 
     chosen: set[str] = set()
     for sel in selectors:
         hits = {n for n, m in named if sel.matches(n, m)}
+        # A container without a forward (ModuleList, ModuleDict) is never called: not a candidate.
+        called = {n for n in hits if _has_forward(modules[n])}
         if not hits:
             problems.append(sel.nothing_matched(model, names))
-        chosen |= hits
+        elif not called:  # "blocks", the ModuleList: wrapping it would checkpoint nothing
+            problems.append(_never_called(sel.text, [n for n in names if n in hits], modules))
+        chosen |= called
     raise_problems(problems, "ckpt.layers")
 
     outermost = [n for n in names if n in chosen and not _has_ancestor_in(n, chosen)]
@@ -197,7 +350,24 @@ def select_layers(model: nn.Module, layers: Sequence[str], every_n: int = 1) -> 
     return kept
 
 
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _never_called(text: str, hits: list[str], modules: dict[str, nn.Module]) -> Problem:
+    classes = ", ".join(sorted({type(modules[n]).__name__ for n in hits}))
+    one = len(hits) == 1
+    return Problem(
+        "ckpt.layers",
+        f"ckpt.layers: {text!r} selects only {_shown(hits)} ({classes}), which {'has' if one else 'have'} no "
+        f"forward: nothing calls {'it' if one else 'them'}, so checkpointing would do nothing",
+        f"select the modules inside, e.g. '{hits[0]}.*'",
+    )
+
+
 def _has_ancestor_in(name: str, chosen: set[str]) -> bool:
     parts = name.split(".")
     return any(".".join(parts[:i]) in chosen for i in range(1, len(parts)))
 
+
+__all__ = ["AUTO", "resolve_layers", "select_layers"]

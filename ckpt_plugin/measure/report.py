@@ -15,19 +15,24 @@ from ckpt_plugin.engine.wrap import checkpointing_disabled
 
 @dataclass
 class WrapReport:
-    """Saved-activation bytes of one forward without and with checkpointing."""
+    """Saved-activation bytes of one forward without and with checkpointing.
+
+    ``note`` is the plan's (``WrapPlan.note``): what ``ckpt.layers=auto`` chose, shown first.
+    """
 
     model: str
     wrapped: list[str]
     classes: dict[str, str]
     without: SavedBytes
     with_ckpt: SavedBytes
+    note: str = ""
 
     def __str__(self) -> str:
         rows = [(n, self.classes[n]) for n in self.wrapped] + [(REST, "")]
         w = max(len(r[0]) for r in rows + [("module", "")])
         c = max(len(r[1]) for r in rows + [("", "class")])
-        lines = [
+        lines = [self.note] if self.note else []
+        lines += [
             f"Activation checkpointing wrapped {len(self.wrapped)} module(s) of {self.model}; "
             "saved activations of one forward:",
             f"  {'module':<{w}}  {'class':<{c}}  {'without':>10}  {'with':>10}",
@@ -43,8 +48,10 @@ class WrapReport:
         return "\n".join(lines)
 
 
-def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]) -> WrapReport:
+def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any], note: str = "") -> WrapReport:
     """Measure ``forward()`` (one forward of the wrapped ``model``) without and with checkpointing.
+
+    ``note`` (the plan's: what ``ckpt.layers=auto`` chose) heads the report.
 
     Runs the forward twice on fake tensors (``fake.py``): the bytes are the
     real ones, counted without allocating them, so the report never needs the
@@ -64,4 +71,5 @@ def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]
         classes={n: type(modules[n]).__name__ for n in wrapped},
         without=without,
         with_ckpt=with_ckpt,
+        note=note,
     )

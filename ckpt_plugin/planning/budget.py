@@ -1,6 +1,11 @@
 """``ckpt.budget``: a fraction of the activation peak without checkpointing, or a size.
 
-    ckpt.budget=0.4     ckpt.budget=40%     ckpt.budget=2GiB     ckpt.budget=300MB
+    ckpt.budget=0.4     ckpt.budget=40%     ckpt.budget=2GiB     ckpt.budget='2 GiB'     ckpt.budget=300MB
+
+A size is a number and a unit (B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB,
+TiB powers of 1024), in any case, with or without a space between them. Anything
+else is a :class:`~ckpt_plugin.errors.ConfigError` naming ``ckpt.budget``, the
+value and these forms: a budget never falls back to a default.
 """
 
 from __future__ import annotations
@@ -34,17 +39,24 @@ class Budget:
         return f"{self.fraction:g} of the activation peak" if self.fraction is not None else format_bytes(self.bytes)
 
 
-_POSITIVE = "must be positive: a fraction in (0, 1] such as 0.4, or a size such as 2GiB"
+_FORMS = ("a fraction of the activation peak without checkpointing (0.4, 40%) or a size "
+          "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes)")
+_UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"
 
 
 def _wrong(problem: str, fix: str = "") -> ConfigError:
-    """What is wrong with ``ckpt.budget``, as the error to raise."""
-    return ConfigError([Problem("ckpt.budget", problem, fix)])
+    """What is wrong with ``ckpt.budget``, as the error to raise: each ends with the valid forms."""
+    forms = f"valid: {_FORMS}"
+    return ConfigError([Problem("ckpt.budget", problem, f"{fix}; {forms}" if fix else forms)])
+
+
+def _not_positive(given: Any) -> ConfigError:
+    return _wrong(f"ckpt.budget={given!r} must be positive")
 
 
 def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
     if math.isnan(value) or value <= 0:
-        raise _wrong(f"ckpt.budget={given!r} {_POSITIVE}")
+        raise _not_positive(given)
     if value > 1:
         size = "at most 100%" if percent else f"for a size write e.g. {value:g}GiB" if value < 1024 else (
             f"for a size write e.g. {value:.0f}B" if math.isfinite(value) else "for a size write e.g. 2GiB")
@@ -53,18 +65,18 @@ def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
 
 
 def parse_budget(budget: Any) -> Budget:
-    """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"512MiB"``, ``"300MB"``, ``"1.5GB"`` or an int of bytes.
+    """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"2 GiB"``, ``"512MiB"``, ``"300MB"`` or an int of bytes.
 
     The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte.
     Anything else raises a :class:`ConfigError` about ``ckpt.budget``.
     """
     if budget is None or budget == "???" or (isinstance(budget, str) and not budget.strip()):  # ??? is MISSING
-        raise _wrong(_NEEDS_BUDGET)
+        raise ConfigError([Problem("ckpt.budget", _NEEDS_BUDGET)])
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
         raise _wrong(f"ckpt.budget={budget!r} ({type(budget).__name__}) must be a fraction (0.4) or a size (2GiB)")
     if isinstance(budget, int):
         if budget <= 0:
-            raise _wrong(f"ckpt.budget={budget!r} {_POSITIVE}")
+            raise _not_positive(budget)
         return Budget(fraction=1.0) if budget == 1 else Budget(bytes=budget)
     if isinstance(budget, float):
         return _fraction(budget, budget)
@@ -78,12 +90,13 @@ def parse_budget(budget: Any) -> Budget:
         return _fraction(value / 100 if number is not text else value, budget, percent=number is not text)
     match = _SIZE.match(text)
     if match is None:
-        why = "must be positive" if text.startswith("-") else "is not a budget"
-        raise _wrong(f"ckpt.budget={budget!r} {why}: write a fraction of the activation peak without "
-                         "checkpointing (0.4, 40%) or a size (2GiB, 512MiB, 300MB, or an integer number of bytes)")
+        if text.startswith("-"):
+            raise _not_positive(budget)
+        raise ConfigError([Problem("ckpt.budget", f"ckpt.budget={budget!r} is not a budget: write {_FORMS}",
+                                   f"a size's unit is {_UNIT_NAMES}")])
     size = int(float(match[1]) * _UNITS[match[2].lower()])
     if size <= 0:
-        raise _wrong(f"ckpt.budget={budget!r} {_POSITIVE}")
+        raise _not_positive(budget)
     return Budget(bytes=size)
 
 
