@@ -166,3 +166,14 @@ def test_callback_logs_saved_bytes_each_logged_step(tmp_path: Path) -> None:
     assert metrics["ckpt/bytes_saved_by_checkpointing"].item() == callback.report.without.total - callback.report.with_ckpt.total
     rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
     assert rows[0].count("ckpt/saved_activation_bytes") == 1 and len(rows) == 3  # header + one row per step
+
+
+def test_typed_package_with_its_version() -> None:
+    """PEP 561's marker ships in the package, and ``__version__`` is the version pip installed."""
+    import importlib.metadata
+    import importlib.resources
+
+    import ckpt_plugin
+
+    assert importlib.resources.files("ckpt_plugin").joinpath("py.typed").is_file()
+    assert ckpt_plugin.__version__ == importlib.metadata.version("ckpt-plugin")
