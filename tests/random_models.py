@@ -230,20 +230,24 @@ def expected_selection(model: nn.Module, layers: str | list[str], every_n: int =
     """
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
+    modules = dict(named)
     chosen: set[str] = set()
     for text in [layers] if isinstance(layers, str) else layers:
         if text.startswith("re:"):
             hits = {n for n in names if re.fullmatch(text[3:], n)}
         elif any(c in text for c in "*?["):
             hits = {n for n in names if fnmatch.fnmatchcase(n, text)}
+        elif text in names:  # a module's own name first, a plain word ("head") too
+            hits = {text}
         elif "." not in text:
             hits = {n for n, m in named if text in [c.__name__ for c in type(m).__mro__]}
-        elif text in names:
-            hits = {text}
         else:
             module, _, attr = text.rpartition(".")
             cls = getattr(importlib.import_module(module), attr)
             hits = {n for n, m in named if isinstance(m, cls)}
+        # A container without a forward (ModuleList) is never called: never a layer, and an entry
+        # that selects only such containers is an error.
+        hits = {n for n in hits if type(modules[n]).forward is not nn.Module.forward}
         if not hits:
             raise LookupError(text)
         chosen |= hits
