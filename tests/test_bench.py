@@ -120,7 +120,10 @@ def test_auto_budgets_are_met_or_refused(fixed) -> None:
             # The planner's peak is an upper bound within 5 % of what the step then measures.
             assert 0.99 <= row["predicted_over_measured_peak"] <= 1.05, (model, mode, row)
             assert row["predicted_peak_bytes"] <= budget * none["act_peak_bytes"], (model, mode)
-            assert row["predicted_time_ratio"] >= 1.0 or set(row["choices"].values()) == {"keep"}, (model, mode)
+            # None: the step without checkpointing, predicted from timings (full step minus what each layer's
+            # recompute adds), came out <= 0 on a loaded machine; timings are never asserted, only their sign.
+            ratio = row["predicted_time_ratio"]
+            assert ratio is None or ratio >= 1.0 or set(row["choices"].values()) == {"keep"}, (model, mode)
             # Planning ran on fake tensors: its real memory is a fraction of the step it avoids.
             if row["profile_peak_bytes"] is not None:
                 assert row["profile_peak_bytes"] < none["act_peak_bytes"], (model, mode, row["profile_peak_bytes"])
