@@ -170,12 +170,12 @@ def test_checkpoint_wrapper_type_is_what_checkpoint_wrapper_makes() -> None:
     assert type(wrapped) is _compat.checkpoint_wrapper_type()
 
 
-def test_uncompiled_unwraps_torch_compile() -> None:
+def test_user_module_unwraps_torch_compile() -> None:
     model = nn.Linear(2, 2)
     compiled = torch.compile(model)  # creating the wrapper compiles nothing
     assert compiled is not model
-    assert _compat.uncompiled(compiled) is model
-    assert _compat.uncompiled(model) is model
+    assert _compat.user_module(compiled) is model
+    assert _compat.user_module(model) is model
 
 
 def test_tracing_for_compile_false_in_eager_true_under_proxy_tracing() -> None:

@@ -208,28 +208,22 @@ class SideEffects:
         return prepared if prepared.changed or prepared.watched else None
 
     def warn_model(self, model: nn.Module) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        warnings.warn(
+        self._warn_once(
             f"ckpt_plugin: {type(model).__name__} has checkpointed layers and is training, so it runs with "
             f"use_cache=False and returns no KV cache, as with Hugging Face's own gradient checkpointing: "
-            f"the recomputation in backward would fill the cache a second time.",
-            UserWarning,
-            stacklevel=3,
-        )
+            f"the recomputation in backward would fill the cache a second time.")
 
     def _warn(self, module: nn.Module, changes: list[str]) -> None:
-        if self.warned:
-            return
-        self.warned = True
-        warnings.warn(
+        self._warn_once(
             f"ckpt_plugin: {type(module).__name__} is checkpointed in training, so its KV cache is not filled "
             f"({', '.join(changes)}), as Hugging Face's own gradient checkpointing does: the recomputation "
-            f"in backward would fill it a second time.",
-            UserWarning,
-            stacklevel=2,
-        )
+            f"in backward would fill it a second time.")
+
+    def _warn_once(self, message: str) -> None:
+        """One warning per installation, whichever of the model or a layer meets the cache first."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(message, UserWarning, stacklevel=4)
 
 
 HOOK_ATTR = "_ckpt_plugin_cache_off"  # where a module keeps its use_cache=False hook's handle (not in state_dict)

@@ -49,7 +49,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_plugin._compat import checkpoint_debug_enabled, uncompiled
+from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
 from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
 from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.errors import raise_problems
@@ -120,7 +120,7 @@ class CheckpointedForward:
 
 def wrapped_modules(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` that this plugin has wrapped."""
-    model = uncompiled(model)
+    model = user_module(model)
     return [
         n
         for n, m in model.named_modules()
@@ -141,7 +141,7 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     Returns the qualified names that were unwrapped. Safe on a model that was
     never wrapped.
     """
-    model = uncompiled(model)
+    model = user_module(model)
     removed = wrapped_modules(model)
     remove_cache_hooks(model)
     for chain in chains_of(model):
@@ -156,14 +156,9 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     return removed
 
 
-def install(model: nn.Module, plan: WrapPlan) -> list[str]:
-    """Put ``plan`` on ``model``, replacing whatever this plugin had put there; returns the names wrapped.
-
-    Everything is checked against the model before the model is touched: an
-    error leaves it exactly as it was (wrapped or not). An empty plan unwraps.
-    ``model`` may be ``torch.compile(model)``: its modules are wrapped, under their own names.
-    """
-    model = uncompiled(model)
+def check_plan(model: nn.Module, plan: WrapPlan) -> None:
+    """Raise if ``plan`` cannot be put on ``model`` (``user_module(model)``): a name that is no module,
+    segments over layers that are not a chain or fewer layers than segments. Touches nothing."""
     modules = dict(model.named_modules())
     missing = [n for n in plan.names if n not in modules]
     if missing:
@@ -172,6 +167,18 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
         if isinstance(group, Segments):
             raise_problems(check_consecutive(model, list(group.names)), "ckpt.segments")
             schedule(len(group.names), group.segments)  # raises if segments > len(names)
+
+
+def install(model: nn.Module, plan: WrapPlan) -> list[str]:
+    """Put ``plan`` on ``model``, replacing whatever this plugin had put there; returns the names wrapped.
+
+    Everything is checked against the model before the model is touched: an
+    error leaves it exactly as it was (wrapped or not). An empty plan unwraps.
+    ``model`` may be ``torch.compile(model)``: its modules are wrapped, under their own names.
+    """
+    model = user_module(model)
+    check_plan(model, plan)
+    modules = dict(model.named_modules())
     remove_checkpointing(model)
     side_effects = SideEffects()  # this installation's: it warns about a KV cache once
     for group in plan.groups:

@@ -36,13 +36,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from ckpt_plugin import __version__
+from ckpt_plugin._compat import user_module
 from ckpt_plugin.config.plan import plan_for
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
-from ckpt_plugin.engine.chain import check_consecutive
-from ckpt_plugin.engine.plan import Segments
-from ckpt_plugin.engine.sequential import schedule
-from ckpt_plugin.engine.wrap import install, policy_of, remove_checkpointing
-from ckpt_plugin.errors import ConfigError, raise_problems
+from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.lightning.strategies import prepare
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
@@ -258,10 +256,7 @@ def _check_on(model: nn.Module, config: CkptConfig) -> None:
     """What ``config`` asks of ``model`` that needs no forward: the layer selection and a segment chain."""
     if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
         config = FullConfig(layers=config.layers, every_n=config.every_n)
-    for group in plan_for(model, config).groups:  # the checks install() makes before touching the model
-        if isinstance(group, Segments):
-            raise_problems(check_consecutive(model, list(group.names)), "ckpt.segments")
-            schedule(len(group.names), group.segments)  # raises if there are more segments than layers
+    check_plan(user_module(model), plan_for(model, config))  # what install() checks before touching the model
 
 
 def _plain(value: Any) -> Any:
