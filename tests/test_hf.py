@@ -15,6 +15,7 @@ Tiny configs built in code; nothing is downloaded.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -83,8 +84,12 @@ def model_warning(model: str) -> str:
             f"backward would fill the cache a second time.")
 
 
-CHANGES = {"GPT2Block": "past_key_values=None, use_cache=False", "LlamaDecoderLayer":
-           "past_key_values=None, use_cache=False", "T5Block": "past_key_values=None"}
+def positional_name(layer: nn.Module, position: int) -> str:
+    """What ``layer.forward`` calls its positional parameter ``position``: transformers renames
+    GPT2Block's cache parameter between releases (``layer_past``, ``past_key_values``, ``cache``)."""
+    params = [p for p in inspect.signature(type(layer).forward).parameters.values()  # the class's: unwrapped
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return params[1 + position].name  # after self
 
 
 def train_step(model: nn.Module, kwargs: dict, seed: int = 5):
@@ -217,7 +222,8 @@ def test_another_checkpoint_implementation_gets_the_neutralised_arguments() -> N
     given = hf().DynamicCache()
     our_loss, our_grads, _, warned = train_step(ours, kwargs | {"use_cache": False, "past_key_values": given})
     assert len(seen) == 2 and all(args[1] is None and kw["use_cache"] is False for args, kw in seen)
-    assert warned == [cache_warning(layer, "past_key_values=None")] and seq_length(given) == 0
+    cache_parameter = positional_name(ours.get_submodule(names[0]), 1)  # GPT2Model passes the cache second
+    assert warned == [cache_warning(layer, f"{cache_parameter}=None")] and seq_length(given) == 0
     assert torch.equal(our_loss, loss) and all(torch.equal(our_grads[k], grads[k]) for k in grads)
 
 
@@ -249,7 +255,8 @@ def test_segments_over_gpt2_blocks_that_take_their_cache_positionally() -> None:
     loss, grads, _, _ = train_step(plain, kwargs | {"use_cache": False})
     given = hf().DynamicCache()  # given with use_cache=False: the model passes it on, the chain clears it
     our_loss, our_grads, _, warned = train_step(ours, kwargs | {"use_cache": False, "past_key_values": given})
-    assert warned == [cache_warning("GPT2Block", "past_key_values=None")] and seq_length(given) == 0
+    cache_parameter = positional_name(ours.transformer.h[0], 1)  # GPT2Model passes the cache second
+    assert warned == [cache_warning("GPT2Block", f"{cache_parameter}=None")] and seq_length(given) == 0
     assert torch.equal(our_loss, loss) and all(torch.equal(our_grads[k], grads[k]) for k in grads)
 
 
