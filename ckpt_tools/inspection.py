@@ -42,7 +42,8 @@ from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.configs.app import check_app_config, config_errors_exit
 from ckpt_plugin.engine.wrap import remove_checkpointing
 from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
-from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes, side_effect_free, step_memory
+from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
+from ckpt_plugin.measure.units import format_bytes
 
 
 @dataclass

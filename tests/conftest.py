@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from hydra import compose, initialize_config_dir
 
 from ckpt_plugin.configs import register_configs
@@ -72,14 +73,20 @@ _PRINT_PEAK = (
 
 
 def run_recipe(*overrides: str, tmp_path: Path, check: bool = True, peak: bool = False) -> subprocess.CompletedProcess:
-    """Run ``recipes/train.py`` as a user would, in a subprocess; output dir under ``tmp_path``.
+    """Run ``recipes/train.py`` as a user would, in a process of its own; output dir under ``tmp_path``.
+
+    The process is a fork of one that has imported torch, Lightning and Hydra already (``warm_python``).
 
     ``peak=True``: the last line of stdout is ``max_rss_kib N``, the process's peak resident memory.
     """
-    prelude = ["-c", _PRINT_PEAK] if peak else []
-    cmd = [sys.executable, *prelude, str(RECIPE), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    args = [str(RECIPE), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    if peak:  # the process's own memory: a new interpreter, not a fork of one that imported everything
+        cmd = [sys.executable, "-c", _PRINT_PEAK, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    else:
+        cmd = [sys.executable, *args]
+        proc = warm_python.run(args, cwd=tmp_path, env=env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from ckpt_tools.bench import MODELS, MODES, build, main, pareto_front
 
@@ -25,9 +24,9 @@ def run_bench(cwd: Path, modes: list[str]) -> tuple[list[str], Path]:
     # The compiled comparison compiles twice (minutes): tests/test_compiled_budget.py covers it.
     # One timing round: the suite asserts bytes, FLOPs and the files, never a timing.
     args = ["--quick", "--repeats", "1", "--out", "tmp", "--modes", ",".join(modes), "--skip", "compiled"]
-    cmd = [sys.executable, "-m", "ckpt_tools.bench", *args]
+    cmd = ["-m", "ckpt_tools.bench", *args]
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    proc = warm_python.run(cmd, env=env, cwd=cwd, timeout=300)
     if proc.returncode != 0:
         tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}")

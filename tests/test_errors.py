@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import warm_python
 from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
@@ -457,9 +456,9 @@ def test_cli_errors_found_before_anything_is_built(cli):
 
 
 def test_cli_full_error_with_hydra_full_error(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(RECIPE), f"hydra.run.dir={tmp_path}", *TINY_GPT, "ckpt.every_n=0"],
-        capture_output=True, text=True, env=os.environ | {"HYDRA_FULL_ERROR": "1"}, cwd=tmp_path, timeout=300,
+    proc = warm_python.run(
+        [str(RECIPE), f"hydra.run.dir={tmp_path}", *TINY_GPT, "ckpt.every_n=0"],
+        env=os.environ | {"HYDRA_FULL_ERROR": "1"}, cwd=tmp_path, timeout=300,
     )
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -36,8 +36,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.
 
     def one(name: str) -> tuple[str, subprocess.CompletedProcess]:
         env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True,
-                              env=env, cwd=dirs[name], timeout=300)
+        proc = warm_python.run([str(EXAMPLES / name)], env=env, cwd=dirs[name], timeout=300)
         return name, (proc, dirs[name])
 
     with ThreadPoolExecutor(len(RUN)) as pool:

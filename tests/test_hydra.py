@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import warm_python
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -196,10 +196,10 @@ APP_TESTS = {
 
 def run_user_app(app: Path, overrides: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     """``python train.py ...`` in the user's app folder, as the user would type it."""
-    cmd = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", *overrides]
+    args = ["train.py", f"hydra.run.dir={run_dir}", *overrides]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the repo on the path
     env |= {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=app, timeout=600)
+    return warm_python.run(args, env=env, cwd=app, timeout=600)
 
 
 class Runs:

@@ -10,10 +10,10 @@ import gc
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+import warm_python
 import torch
 from conftest import TINY_GPT, TINY_RESNET, gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch import nn
@@ -142,7 +142,7 @@ def _cli(tmp_path: Path, *overrides: str, returncode: int = 0) -> str:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path / "tmp")}
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
-    proc = subprocess.run([exe, *overrides], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    proc = warm_python.run([exe, *overrides], env=env, cwd=cwd, timeout=300)  # the console script, run as python runs it
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(cwd.iterdir()) == []  # a measurement writes nothing where it runs: no outputs/, no .hydra/
     return proc.stdout + proc.stderr if returncode else proc.stdout

@@ -18,11 +18,11 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
-import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import warm_python
 from conftest import ROOT
 
 from ckpt_plugin import ActivationCheckpointing, ConfigError, FullConfig, OffloadConfig
@@ -53,20 +53,20 @@ _TABLE = re.compile(r"^Activation checkpointing wrapped (\d+) module\(s\) of Mod
 
 
 class Runs:
-    """The four runs, started together (each ~5 s, mostly imports); ``get`` waits for one."""
+    """The four runs, started together (each ~5 s as a new interpreter, mostly imports); ``get`` waits for one."""
 
     def __init__(self, tmp: Path) -> None:
         env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.pool = ThreadPoolExecutor(len(RUNS), thread_name_prefix="cli-run")
+        self.procs: dict[str, Future] = {}
         for name, args in RUNS.items():
             cwd = tmp / name  # LightningCLI writes its config.yaml to the working directory (logger: false)
             cwd.mkdir()
-            self.procs[name] = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env, text=True,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.procs[name] = self.pool.submit(warm_python.run, [str(SCRIPT), *args], cwd=cwd, env=env, timeout=600)
 
     def get(self, name: str) -> tuple[int, str]:
-        out, _ = self.procs[name].communicate(timeout=600)
-        return self.procs[name].returncode, out
+        proc = self.procs[name].result()
+        return proc.returncode, proc.stdout + proc.stderr
 
     def ok(self, name: str) -> str:
         rc, out = self.get(name)
@@ -74,10 +74,7 @@ class Runs:
         return out
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        self.pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from conftest import FAST, RECIPE, TINY_GPT, TINY_RESNET
 from omegaconf import OmegaConf
 
@@ -24,9 +23,9 @@ def _bytes(text: str) -> float:
 
 def multirun(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(RECIPE), "-m", f"hydra.sweep.dir={sweep}", *overrides]
+    args = [str(RECIPE), "-m", f"hydra.sweep.dir={sweep}", *overrides]
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    proc = warm_python.run(args, env=env, cwd=tmp_path, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out, sweep

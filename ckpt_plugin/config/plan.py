@@ -29,7 +29,7 @@ from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import install, policy_of
 from ckpt_plugin.errors import Problem, raise_problems
-from ckpt_plugin.measure.memory import format_bytes
+from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
 from ckpt_plugin.planning.profile import profile, wrap_plan

@@ -140,11 +140,3 @@ def step_flops(step: Callable[[], Any]) -> int:
     with FlopCounterMode(display=False) as counter:
         step()
     return counter.get_total_flops()
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

@@ -9,7 +9,8 @@ from typing import Any
 from torch import nn
 
 from ckpt_plugin.measure.fake import on_fake_tensors
-from ckpt_plugin.measure.memory import REST, SavedBytes, format_bytes, saved_bytes
+from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes
+from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 
 

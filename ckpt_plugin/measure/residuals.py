@@ -60,7 +60,8 @@ from ckpt_plugin._compat import (
     tree_leaves,
 )
 from ckpt_plugin.measure.fake import fake_measurement
-from ckpt_plugin.measure.memory import format_bytes, side_effect_free
+from ckpt_plugin.measure.memory import side_effect_free
+from ckpt_plugin.measure.units import format_bytes
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # ckpt_plugin/, not this file's measure/: frames in engine/ (policies' dispatch modes) are ours too.

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ckpt_plugin.measure.memory import REST, format_bytes
+from ckpt_plugin.measure.memory import REST
+from ckpt_plugin.measure.units import format_bytes
 
 OPTIONS = ("keep", "selective", "full")  # in order of intrusiveness: ties in FLOPs go left
 
