@@ -1,18 +1,26 @@
-"""One 2-process training run (gloo on CPU) under one trainer preset, for tests/test_strategies.py.
+"""2-process training runs (gloo on CPU), one trainer preset each, for tests/test_strategies.py.
 
-    python tests/dist_worker.py ddp OUT_DIR [hydra overrides ...]
+    python tests/dist_worker.py OUT_DIR '{"ddp": ["ddp", []], "zero3": ["deepspeed_zero3", ["ckpt=deepspeed"]]}'
 
-Composes ``train.yaml`` with ``trainer=<preset>`` as ``recipes/train.py`` does
-(real Hydra, real Trainer, Lightning's own process launcher), but fits a
+The JSON maps a run's name to its preset and Hydra overrides. Each run composes
+``train.yaml`` with ``trainer=<preset>`` as ``recipes/train.py`` does (real
+Hydra, real Trainer, Lightning's own process launcher), but fits a
 :class:`Pair`: two copies of the example GPT with the same weights, seeing the
 same batches and the same dropout masks, of which the plugin checkpoints only
 the second (``ckpt.layers='ckpt.blocks.*'``). Within one run, under one
 strategy, every difference between the copies is the plugin's. Each rank
-writes ``OUT_DIR/rank<r>.json``: per step, both losses and the largest
+writes ``OUT_DIR/<run>/rank<r>.json``: per step, both losses and the largest
 difference between the copies' parameters after the optimizer step (gathered
 in full under FSDP, FSDP2 and ZeRO-3), how many times each copy's attention
 ran (a checkpointed block runs it twice), and under ZeRO-3 how many parameter
 elements this rank holds.
+
+The runs go one after another in the same two processes: importing torch,
+Lightning and DeepSpeed takes each interpreter ~4 s, longer than a 4-step fit
+of this model. Lightning's launcher starts rank 1 (this script, the same
+arguments) at the first fit; later Trainers find ``LOCAL_RANK`` set and the
+process group initialised, and use both as they are. Each run builds its own
+Trainer, callbacks, data and :class:`Pair`, and ``train`` seeds it afresh.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.utilities import rank_zero_info
 
 from ckpt_examples.gpt import GPT, shard_blocks
 from ckpt_plugin import ActivationCheckpointing
@@ -124,7 +134,8 @@ def _deepspeed_checkpointing() -> dict[str, Any] | None:
     return {name: getattr(ds, name) for name in names}
 
 
-def main(preset: str, out: Path, overrides: list[str]) -> None:
+def fit(preset: str, overrides: list[str], out: Path) -> None:
+    """One run: ``OUT/rank<r>.json`` on each rank."""
     target = [f"trainer.strategy._target_={CPU_TARGETS[preset]}"] if preset in CPU_TARGETS else []
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose("train", overrides=[
@@ -143,13 +154,24 @@ def main(preset: str, out: Path, overrides: list[str]) -> None:
         "strategy": type(trainer.strategy).__name__, "world_size": trainer.world_size, "wrapped": callback.wrapped,
         "losses": model.losses, "param_diffs": model.param_diffs, "attn_calls": model.attn_calls,
         "local_elements": model.local_elements, "global_step": trainer.global_step,
+        # Read now, not at exit: a later run in this process may configure DeepSpeed's checkpoint again.
         "deepspeed_checkpointing": _deepspeed_checkpointing(),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main(out: Path, runs: dict[str, list]) -> None:
+    for name, (preset, overrides) in runs.items():
+        start = time.perf_counter()
+        fit(preset, overrides, out / name)
+        rank_zero_info(f"[dist_worker] {name}: {time.perf_counter() - start:.1f} s")
+    # Both ranks done, then gloo torn down before the interpreter: no abort at exit (as in test_fabric.py).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     # A script, not a test module: pytest's pythonpath does not reach it. cpu_strategies lives
     # beside it; recipes.train at the root of the checkout.
     sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), str(ROOT)]
-    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]))
