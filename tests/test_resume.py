@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -121,33 +122,20 @@ class Runs:
         return f"num_workers={self.workers}, seed {self.seed}: {killed}"
 
 
-_UNINTERRUPTED: dict[str, Path] = {}  # the run never killed, with num_workers=0
+WORKERS = [0, 2]  # loading in the training process, and in worker processes (whose base seed and queued batches
+                  # the state holds)
 
 
-# Loading in the training process, and in worker processes (whose base seed and queued batches the state holds).
-@pytest.fixture(scope="module", params=[0, 2], ids=lambda n: f"num_workers={n}")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    workers = request.param
-    seed = int(os.environ.get("CKPT_RESUME_SEED", time.time_ns() % 1_000_000))
-    kill_step = random.Random(seed).randint(EVERY + 1, MAX_STEPS - 3)  # after one last.ckpt, well before the end
-    print(f"test_resume: seed {seed} (CKPT_RESUME_SEED={seed} replays it), kill after step {kill_step}")
-
-    plain = _UNINTERRUPTED.get("dir")
-    if plain is None:  # one uninterrupted run serves both: worker processes change no number (asserted below)
-        plain = _UNINTERRUPTED["dir"] = tmp_path_factory.mktemp("uninterrupted")
-        assert NO_LAST in _finish(_start(plain, "logs", 0), plain, "logs")
-
-    cwd = tmp_path_factory.mktemp("killed")
+def _killed_then_resumed(cwd: Path, workers: int, kill_step: int, seed: int) -> Runs:
     proc = _start(cwd, "logs_killed", workers)
     _kill_group_at(proc, cwd / "logs_killed" / "metrics.csv", kill_step)
     resume_step = torch.load(cwd / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     resumed_out = _finish(_start(cwd, "logs_resumed", workers), cwd, "logs_resumed")
-
-    result = Runs(
+    return Runs(
         workers=workers,
         seed=seed,
         kill_step=kill_step,
-        uninterrupted=_losses(plain / "logs" / "metrics.csv"),
+        uninterrupted={},  # filled in once the uninterrupted run has finished
         killed=_losses(cwd / "logs_killed" / "metrics.csv"),
         killed_rc=proc.returncode,
         killed_out=(cwd / "logs_killed.out").read_text(),
@@ -155,8 +143,36 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         resumed=_losses(cwd / "logs_resumed" / "metrics.csv"),
         resumed_out=resumed_out,
     )
-    print(result)
-    return result
+
+
+@pytest.fixture(scope="module")
+def all_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Runs]:
+    """The uninterrupted run and, for each ``data.num_workers``, a killed run and its restart, side by side.
+
+    Each 2-process run spends most of its time importing, one rank after the other (rank 1 starts at rank 0's
+    fit), on one core: three runs at once keep both cores busy. The kill still lands on its drawn step.
+    """
+    seed = int(os.environ.get("CKPT_RESUME_SEED", time.time_ns() % 1_000_000))
+    draw = random.Random(seed)
+    kill_steps = {w: draw.randint(EVERY + 1, MAX_STEPS - 3) for w in WORKERS}  # after a last.ckpt, before the end
+    print(f"test_resume: seed {seed} (CKPT_RESUME_SEED={seed} replays it), kill after steps {kill_steps}")
+    # One uninterrupted run serves both: worker processes change no number (asserted below).
+    plain = tmp_path_factory.mktemp("uninterrupted")
+    dirs = {w: tmp_path_factory.mktemp(f"killed{w}") for w in WORKERS}  # here: the factory is not thread-safe
+    uninterrupted = _start(plain, "logs", 0)
+    with ThreadPoolExecutor(len(WORKERS)) as pool:
+        futures = {w: pool.submit(_killed_then_resumed, dirs[w], w, kill_steps[w], seed) for w in WORKERS}
+        assert NO_LAST in _finish(uninterrupted, plain, "logs")
+        results = {w: future.result() for w, future in futures.items()}
+    for result in results.values():
+        result.uninterrupted = _losses(plain / "logs" / "metrics.csv")
+        print(result)
+    return results
+
+
+@pytest.fixture(params=WORKERS, ids=lambda n: f"num_workers={n}")
+def runs(request: pytest.FixtureRequest, all_runs: dict[int, Runs]) -> Runs:
+    return all_runs[request.param]
 
 
 def test_resumed_run_has_the_uninterrupted_losses(runs: Runs) -> None:
