@@ -24,7 +24,7 @@ from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
 from ckpt_plugin.engine.wrap import CheckpointedForward
-from conftest import FAST, RECIPE, TINY_GPT, run_recipe, small_gpt
+from conftest import FAST, GROUP_DIRS, RECIPE, TINY_GPT, run_recipe, small_gpt
 
 GPT_CLASSES = {
     "CausalSelfAttention", "Dropout", "Embedding", "GPT", "LayerNorm",
@@ -390,27 +390,29 @@ def cli(tmp_path_factory):
         return dict(pool.map(one, CLI_CASES))
 
 
+# Hydra words these three errors itself; what must reach the user (in any Hydra release): a failed exit,
+# the override as typed, and for a preset the valid ones (our files in the ckpt group).
+
+
 def test_cli_unknown_preset(cli):
     proc = cli["unknown-preset"]
     assert proc.returncode != 0
-    assert "Could not find 'ckpt/fulll'" in proc.stderr
-    options = proc.stderr.split("Available options in 'ckpt':", 1)[1].split("Config search path:", 1)[0].split()
-    assert "full" in options and "none" in options
+    assert "ckpt/fulll" in proc.stderr
+    listed = set(re.findall(r"\w+", proc.stderr.split("ckpt/fulll", 1)[1]))
+    presets = {path.stem for path in GROUP_DIRS["ckpt"].glob("*.yaml")}
+    assert presets and presets <= listed, (presets - listed, proc.stderr)
 
 
 def test_cli_unknown_key(cli):
     proc = cli["unknown-key"]
     assert proc.returncode != 0
-    assert "Could not override 'ckpt.foo'." in proc.stderr
-    assert "full_key: ckpt.foo" in proc.stderr
+    assert "ckpt.foo" in proc.stderr
 
 
 def test_cli_wrong_type(cli):
     proc = cli["wrong-type"]
     assert proc.returncode != 0
-    assert "Error merging override ckpt.every_n=two" in proc.stderr
-    assert "Value 'two' of type 'str' could not be converted to Integer" in proc.stderr
-    assert "full_key: ckpt.every_n" in proc.stderr
+    assert "ckpt.every_n=two" in proc.stderr
 
 
 def _short_error(proc) -> str:
