@@ -115,11 +115,12 @@ class StallingCheckpointIO(AtomicCheckpointIO):
 
 
 class Throttle(pl.Callback):
-    """Sleep at the end of every step of start ``start``: time for a signal sent from outside; changes no number."""
+    """Sleep at the end of every step of start ``start`` from global step ``after`` on: time for a signal sent
+    from outside once a checkpoint exists (the steps before it need none); changes no number."""
 
-    def __init__(self, seconds: float, start: int = 0) -> None:
-        self.seconds, self.start = seconds, start
+    def __init__(self, seconds: float, start: int = 0, after: int = 0) -> None:
+        self.seconds, self.start, self.after = seconds, start, after
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if restart_count() == self.start:
+        if restart_count() == self.start and trainer.global_step >= self.after:
             time.sleep(self.seconds)

@@ -1,6 +1,6 @@
 """A real single-node SLURM for the suite: munged, slurmctld and slurmd on this host.
 
-    with running_cluster() as cluster:                 # about 2 s from nothing to an idle node
+    with running_cluster() as cluster:                 # well under a second from nothing to an idle node
         subprocess.run(["sbatch", "--wait", ...], env=cluster.env)
 
 Everything lives in one temporary directory (config, state, logs, the munge key and
@@ -51,12 +51,18 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-# batch_sched_delay=0: a job starts the moment it is submitted, not at the next scheduling pass.
-SchedulerParameters=batch_sched_delay=0
+# batch_sched_delay=0: a submitted or released batch job is scheduled at slurmctld's next pass (once a second),
+# not up to 3 s later. slurmctld reads it in its first scheduling pass (_schedule), which the default delay
+# puts 3 s after start-up; bf_interval=1 runs the backfill scheduler, which starts jobs too, every second
+# from start-up, so the first job does not wait for that pass.
+SchedulerParameters=batch_sched_delay=0,bf_interval=1
 EnforcePartLimits=ALL
 # MinJobAge <= 4 keeps `sbatch --wait` polling every 2 s (it backs off to MinJobAge/2 otherwise);
 # slurmctld purges old records once a minute, so `scontrol show job` still sees a finished job.
 MinJobAge=4
+# From SIGTERM to SIGKILL when a job is cancelled or requeued; only a task still running waits it out (the
+# test of a save stalled until SIGKILL). Not lower: slurmd waits max(KillWait, 5 s) itself before it kills
+# what is left of a job (_rpc_terminate_job), and KillWait=2 took that test 7 s to the SIGKILL, not 5 s.
 KillWait=5
 MailProg=/bin/true
 ReturnToService=2
@@ -84,6 +90,7 @@ class Cluster:
     env: dict[str, str]  # os.environ plus SLURM_CONF: pass it to sbatch, scontrol, ...
     host: str  # the one node's name
     cpus: int
+    ctld_port: int  # where slurmctld listens, on 127.0.0.1
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of both daemons' logs, for an error message."""
@@ -165,6 +172,19 @@ def _start_munged(root: Path, env: dict[str, str]) -> None:
     )  # fmt: skip
 
 
+def _wait_listening(cluster: Cluster, timeout: float = 30.0) -> None:
+    """Until slurmctld accepts connections: slurmd, sinfo and the rest try again only a second after a refusal."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            # An empty connection: slurmctld logs "Zero Bytes were transmitted or received", once.
+            socket.create_connection(("127.0.0.1", cluster.ctld_port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+    raise RuntimeError(f"slurmctld not listening on {cluster.ctld_port} after {timeout:.0f} s:\n{cluster.log_tail()}")
+
+
 def _wait_idle(cluster: Cluster, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     state = ""
@@ -173,7 +193,7 @@ def _wait_idle(cluster: Cluster, timeout: float = 60.0) -> None:
         state = proc.stdout.strip()
         if state and set(state.split()) == {"idle"}:  # one line per partition the node is in
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
     raise RuntimeError(f"the node did not become idle in {timeout:.0f} s (last state {state!r}):\n{cluster.log_tail()}")
 
 
@@ -236,14 +256,16 @@ def running_cluster() -> Iterator[Cluster]:
     host = socket.gethostname().split(".")[0]  # slurmctld and slurmd find their lines by this name
     cpus = max(2, os.cpu_count() or 1)  # two ranks need two CPUs even on a one-core runner
     conf = root / "slurm.conf"
+    ctld_port = _free_port()
     conf.write_text(SLURM_CONF.format(
-        host=host, root=root, cpus=cpus, memory=_real_memory(), ctld_port=_free_port(), slurmd_port=_free_port(),
+        host=host, root=root, cpus=cpus, memory=_real_memory(), ctld_port=ctld_port, slurmd_port=_free_port(),
     ))  # fmt: skip
     env = os.environ | {"SLURM_CONF": str(conf), "PATH": f"{os.environ.get('PATH', '')}:{SBIN}"}
-    cluster = Cluster(root=root, env=env, host=host, cpus=cpus)
+    cluster = Cluster(root=root, env=env, host=host, cpus=cpus, ctld_port=ctld_port)
     try:
         _start_munged(root, env)
         _run([_which("slurmctld"), "-i", "-f", str(conf)], env, "starting slurmctld")  # -i: ignore old state
+        _wait_listening(cluster)  # else slurmd may register a second later
         _run([_which("slurmd"), "-f", str(conf)], env, "starting slurmd")
         _wait_idle(cluster)
         yield cluster

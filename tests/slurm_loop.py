@@ -1,7 +1,7 @@
 """Reliability as a figure: run a SLURM requeue test N times, each in a fresh pytest and a fresh cluster.
 
     python tests/slurm_loop.py                       # 20 runs of the requeue-signal test
-    python tests/slurm_loop.py -n 5 -k "preemption or twice or save"
+    python tests/slurm_loop.py -n 5 -k "preemption or three or save"
 
 Prints one line per run (pass/FAIL and seconds) and then ``passes/N``; exits 1 if any run
 failed. Not a test: the default suite runs each test once, and every wait in it is bounded

@@ -7,8 +7,10 @@ where a local SLURM cannot run (not root; not installed and installing not allow
 
 The preemption tests send every signal a job meets (SIGUSR1 before the time limit, SIGTERM of
 a real preemption, signals inside backward, the optimizer step and a save, to one rank only,
-SIGKILL mid-save, two requeues, submitit's own signal) and require the weights of an
-uninterrupted run at the end. ``python tests/slurm_loop.py`` repeats one of them N times.
+SIGKILL mid-save, three requeues of one job, submitit's own signal) and require the weights of an
+uninterrupted run at the end. No job runs for one check alone: the job that a higher-priority job
+preempts is the multi-node recipe's, and the single-node recipe's uninterrupted run is the reference.
+``python tests/slurm_loop.py`` repeats one of them N times.
 """
 
 from __future__ import annotations
@@ -64,13 +66,14 @@ def _env(cluster: slurm_cluster.Cluster) -> dict[str, str]:
     return cluster.env | {"PATH": path, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "PYTHONPATH": faults}
 
 
-def _sbatch(cluster, recipe: str, out: Path, options: list[str], overrides: list[str], wait: bool = True):
+def _sbatch(cluster, recipe: str, out: Path, options: list[str], overrides: list[str]):
     """Submit a recipe from the repository root; outputs, checkpoints and the Hydra dir under ``out``.
 
-    With ``wait``, sbatch returns when the job ends, with its exit code; without, at once with its id.
+    sbatch returns at once and prints the job id (--parsable). Not `sbatch --wait`: it looks at the job only
+    every 2 s, and may take a requeue for the end of the job.
     """
     cmd = [
-        "sbatch", "--wait" if wait else "--parsable", f"--output={out}/%x-%j.out", *CPU_NODE, *options,
+        "sbatch", "--parsable", f"--output={out}/%x-%j.out", *CPU_NODE, *options,
         str(RECIPES / recipe), "trainer.accelerator=cpu", *TINY, f"hydra.run.dir={out}/run",
         f"callbacks.model_checkpoint.dirpath={out}/checkpoints", f"++trainer.default_root_dir={out}", *overrides,
     ]  # fmt: skip
@@ -106,21 +109,6 @@ def _assert_ranks_trained(text: str, steps: int) -> None:
     assert text.count(STOPPED.format(steps)) == 1
 
 
-def test_multi_node_recipe_trains_two_ranks(cluster, tmp_path: Path, capsys) -> None:
-    start = time.monotonic()
-    proc = _sbatch(cluster, "multi_node.sbatch", tmp_path, ["--nodes=1"], ["trainer.max_steps=3"])  # one slurmd a host
-    seconds = time.monotonic() - start
-    job_id, text = _job_output(tmp_path)
-    info = slurm_cluster.job_info(cluster, job_id)
-    _report(capsys, "multi_node.sbatch", info, seconds)
-    assert proc.returncode == 0, f"{proc.stdout}\n{text[-5000:]}"  # sbatch --wait exits with the job's code
-    assert (info["JobState"], info["ExitCode"], info["NumNodes"], info["NumTasks"]) == ("COMPLETED", "0:0", "1", "2")
-    _assert_ranks_trained(text, steps=3)
-    # ModelCheckpoint's last.ckpt, written at the end of fit: what a requeued job would resume from.
-    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
-    assert OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml").trainer.devices == 2
-
-
 def test_single_node_recipe_trains_two_ranks(uninterrupted_job, capsys) -> None:
     """The single-node recipe as submitted for the preemption tests' reference run, never interrupted."""
     info, text, out = uninterrupted_job
@@ -146,7 +134,8 @@ def _wait_for(what: str, check, timeout: float = 120.0) -> None:
 STEPS = 30
 LAST_EVERY = 10  # ModelCheckpoint's last.ckpt, the resume point older than any preemption checkpoint
 PREEMPT = [f"trainer.max_steps={STEPS}", f"callbacks.model_checkpoint.every_n_train_steps={LAST_EVERY}"]
-THROTTLE = "+callbacks.throttle={_target_:preempt_faults.Throttle,seconds:0.05,start:0}"  # time for a signal from outside
+# Time for a signal from outside, sent once the first last.ckpt exists: 0.05 s a step from then on, in the first start.
+THROTTLE = f"+callbacks.throttle={{_target_:preempt_faults.Throttle,seconds:0.05,start:0,after:{LAST_EVERY}}}"
 SAVING = re.compile(r"Preemption: (.*); saving at step (\d+) on all 2 rank\(s\)")
 
 
@@ -161,15 +150,24 @@ def _fault(name: str, **keys) -> str:
     return f"+callbacks.{name}={{_target_:preempt_faults.SendSignal,{body}}}"
 
 
-def _run_preempted(cluster, out: Path, overrides: list[str], *, during=None, timeout: float = 240.0):
-    """Submit single_node.sbatch, call ``during(job_id)`` once it runs, release every requeue, wait for the end.
+def _run_preempted(
+    cluster,
+    out: Path,
+    overrides: list[str],
+    *,
+    recipe: str = "single_node.sbatch",
+    options: tuple[str, ...] = (),
+    during=None,
+    timeout: float = 240.0,
+):
+    """Submit ``recipe``, call ``during(job_id)`` once it runs, release every requeue, wait for the end.
 
-    SLURM holds a requeued batch job back for about two minutes (its BeginTime): each time the job is
-    PENDING again with one more restart, it is released at once. Not `sbatch --wait`: that may take the
-    requeue for the end of the job. Returns scontrol's record of the job and everything the job printed.
+    SLURM holds a requeued batch job back for about two minutes (its BeginTime, the job credential's
+    lifetime plus 1 s): each time the job is PENDING again with one more restart, it is released at once.
+    Returns scontrol's record of the job and everything the job printed.
     """
     start = time.monotonic()
-    proc = _sbatch(cluster, "single_node.sbatch", out, [], [*PREEMPT, *overrides], wait=False)
+    proc = _sbatch(cluster, recipe, out, list(options), [*PREEMPT, *overrides])
     assert proc.returncode == 0, proc.stdout
     job_id = proc.stdout.strip().split(";")[0]
     if during is not None:
@@ -248,16 +246,25 @@ def test_requeue_signal_saves_at_a_step_boundary_requeues_and_resumes(cluster, t
 def test_sigterm_of_a_preemption_saves_within_the_grace_time_and_the_job_comes_back(
     cluster, tmp_path: Path, capsys, uninterrupted
 ):
-    """A job of the higher-priority partition takes the CPUs: SIGTERM, GraceTime=5, then SIGKILL (slurm_cluster)."""
+    """A job of the higher-priority partition takes the CPUs: SIGTERM, GraceTime=5, then SIGKILL (slurm_cluster).
+
+    The preempted job is the multi-node recipe's, and this is that recipe's test too. The reference is the
+    single-node recipe's run: the two scripts start the same training with the same srun line.
+    """
 
     def preempt(job_id: str) -> None:
         _wait_for("the first last.ckpt", (tmp_path / "checkpoints" / "last.ckpt").exists)
         urgent = ["sbatch", "--parsable", "--partition=urgent", "--ntasks=1", "--output=/dev/null", "--wrap", "true"]
         subprocess.run(urgent, env=cluster.env, check=True, capture_output=True)
 
-    info, text = _run_preempted(cluster, tmp_path, [THROTTLE], during=preempt)
-    _report(capsys, "preemption", info, float(info["seconds"]))
+    info, text = _run_preempted(
+        cluster, tmp_path, [THROTTLE], recipe="multi_node.sbatch", options=("--nodes=1",), during=preempt
+    )  # one node: one slurmd a host
+    _report(capsys, "multi_node.sbatch, preempted", info, float(info["seconds"]))
     _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
+    assert (info["JobName"], info["NumNodes"], info["NumTasks"]) == ("ckpt-train-multi", "1", "2")
+    _assert_ranks_trained(text, steps=STEPS)
+    assert OmegaConf.load(tmp_path / "run" / ".hydra" / "config.yaml").trainer.devices == 2
     ((who, _),) = SAVING.findall(text)
     assert _only(who, "SIGTERM"), text[-3000:]
     # Exited before the grace time ended, so SLURM would not requeue it: rank 0 did, seeing PreemptTime set.
