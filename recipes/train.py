@@ -95,10 +95,24 @@ def train(cfg: DictConfig, model: pl.LightningModule | None = None) -> pl.Traine
     return trainer
 
 
+def release_process_group() -> None:
+    """Destroy the default process group, if training made one, before the interpreter shuts down.
+
+    Lightning leaves a gloo group alive at exit, and gloo's threads may then abort the finished process
+    ("terminate called without an active exception", exit code -6; pytorch#190489): seen under trainer=ddp
+    on CPU when the machine is busy.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     with config_errors_exit():  # a ckpt mistake: the message alone, exit code 2 (HYDRA_FULL_ERROR=1: traceback)
         train(cfg)
+    release_process_group()
 
 
 if __name__ == "__main__":
