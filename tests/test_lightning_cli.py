@@ -153,20 +153,31 @@ def test_command_line_flags_configure_the_callback(runs: Runs) -> None:
     assert re.search(r"<= budget [\d.]+ KiB \(\d+ B\)", out[planned:]), out
 
 
+def _type_of(flat: str, key: str) -> tuple[str, str]:
+    """The ``(type: ..., default: ...)`` shown for ``--trainer.callbacks.<key>`` in the list of options.
+
+    jsonargparse spells types its own way from release to release (``int | null``, ``Optional[int]``):
+    the checks below read the names in it, not the spelling."""
+    tail = flat.rsplit(f"--trainer.callbacks.{key} ", 1)[1]  # the last mention: the options, not the usage line
+    return re.search(r"\(type: (.*?), default: ([^)]*)\)", tail).groups()
+
+
 def test_help_lists_every_key_with_its_type_and_meaning(runs: Runs) -> None:
     out = runs.ok("help")
     flat = " ".join(out.split())  # argparse wraps the descriptions at the terminal width
     for param in parse_docstring(ActivationCheckpointing.__doc__).params:
         assert f"--trainer.callbacks.{param.arg_name} " in out, param.arg_name
         assert " ".join(param.description.split()) in flat, param.arg_name
-    assert "(type: str, default: full)" in flat
-    assert "(type: int | null, default: null)" in flat  # every_n
-    assert "--trainer.callbacks.budget BUDGET" in out and "(type: Union[int, float, str, null], default: null)" in flat
+        assert _type_of(flat, param.arg_name), param.arg_name
+    assert _type_of(flat, "mode") == ("str", "full")
+    every_n, default = _type_of(flat, "every_n")
+    assert set(re.findall(r"\w+", every_n)) - {"Optional", "None", "null"} == {"int"} and default == "null", every_n
+    budget, default = _type_of(flat, "budget")
+    assert {"int", "float", "str"} <= set(re.findall(r"\w+", budget)) and default == "null", budget
 
 
 def test_a_misspelt_option_is_refused_by_name(runs: Runs) -> None:
     rc, out = runs.get("typo")
     assert rc == 2, out
-    assert re.search(r"Problem with given class_path 'ckpt_plugin\.ActivationCheckpointing':\s+"
-                     r"Option 'layrs' is not accepted", out), out
+    assert "ckpt_plugin.ActivationCheckpointing" in out and "'layrs'" in out, out  # jsonargparse's words around them
     assert FIT_DONE not in out
