@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import multiprocessing
 import os
 import runpy
@@ -48,9 +49,9 @@ def _context() -> multiprocessing.context.ForkServerContext:
 def _interpreter_path() -> tuple[str, ...]:
     """``sys.path`` of a fresh ``python`` without ``PYTHONPATH``, its first entry (the script's folder) left out."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path[1:]))"], env=env,
+    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=env,
                          capture_output=True, text=True, check=True).stdout
-    return tuple(eval(out))  # a list literal printed by repr
+    return tuple(json.loads(out))
 
 
 def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, path: list[str]) -> None:
@@ -79,7 +80,7 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, pa
     except BaseException:  # what the interpreter does with an uncaught exception
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()  # the interpreter's shutdown: atexit handlers, then the streams
+    atexit._run_exitfuncs()  # the interpreter's shutdown (os._exit skips it): atexit handlers, then the streams
     if isinstance(code, str):
         print(code, file=sys.stderr)
     sys.stdout.flush()
