@@ -227,6 +227,27 @@ def test_another_checkpoint_implementation_gets_the_neutralised_arguments() -> N
     assert torch.equal(our_loss, loss) and all(torch.equal(our_grads[k], grads[k]) for k in grads)
 
 
+# ----------------------------------------------------------------------------- ckpt=auto on a language model
+
+
+def test_auto_plans_a_decoder_lm_called_with_its_default_cache() -> None:
+    """``ckpt=auto`` times each candidate again and again on the sample call, in which a decoder LM
+    (``use_cache=True`` by default) hands every layer its KV cache: the timing runs get none, as a
+    checkpointed training call does, so the cache cannot grow between them (issue #20: a crash)."""
+    plain, ours = llama(), llama()
+    kwargs = CASES["llama left-padded"][2]
+    ours.example_input_array = kwargs  # as a Lightning user sets it: the training call's keywords
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        names = apply_checkpointing(ours, layers="auto", mode="auto", budget=0.5)
+    assert names and all(type(ours.get_submodule(n)).__name__ == "LlamaDecoderLayer" for n in names), names
+    assert [str(w.message) for w in caught if str(w.message).startswith("ckpt_plugin")] == []  # planning is silent
+    loss, grads, _, _ = train_step(plain, kwargs)
+    our_loss, our_grads, our_cache, warned = train_step(ours, kwargs)
+    assert warned == [model_warning("LlamaForCausalLM")] and our_cache is None
+    assert torch.equal(our_loss, loss) and all(torch.equal(our_grads[k], grads[k]) for k in grads)
+
+
 # ----------------------------------------------------------------------------- segments over a Llama
 
 

@@ -40,11 +40,12 @@ pays one type lookup per argument.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +149,28 @@ class Prepared:
                     f"unchanged, pass it outside the checkpointed layer, or leave this layer out of "
                     f"ckpt.layers.{hint}"
                 )
+
+
+@contextlib.contextmanager
+def cache_warnings_silenced() -> Iterator[None]:
+    """Measuring runs (``ckpt=auto``'s profile and timing) wrap layers for a moment, and each of those
+    installations would warn about the KV cache once; the installation that follows warns the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"ckpt_plugin: .*KV cache", category=UserWarning)
+        yield
+
+
+def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` as a checkpointed training call gets them: no KV cache, ``use_cache=False``.
+
+    For a layer run again and again on one captured call (``planning/timing.py`` times each option
+    on the model's sample input): a transformers cache given to it would grow on every run.
+    """
+    args = tuple(None if is_hf_cache(a) else a for a in args)
+    kwargs = {k: (None if v is not None and (k in _CACHE_NAMES or is_hf_cache(v)) else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def _parameter_name(forward: Callable[..., Any], position: int) -> str:

@@ -62,6 +62,7 @@ from ckpt_plugin.measure.memory import REST, side_effect_free
 from ckpt_plugin.planning.timing import LayerTimes, check_candidates, measure_layer_times
 from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
@@ -297,7 +298,8 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
-    with checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
+    silenced = cache_warnings_silenced()  # its wrappers are for a moment: the installation warns, once
+    with silenced, checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
         recorders = {option: _step(model, names, forward, option, flops=False, fake=mode) for option in OPTIONS}
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
@@ -321,7 +323,9 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     )
     if not timed:
         return measured
-    return with_times(measured, measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS}))
+    with cache_warnings_silenced():
+        times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS})
+    return with_times(measured, times)
 
 
 def with_times(measured: Profile, times: LayerTimes) -> Profile:

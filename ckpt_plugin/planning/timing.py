@@ -79,6 +79,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import keystr, tree_flatten_with_path, tree_leaves, tree_map
+from ckpt_plugin.engine.side_effects import without_cache
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
 from ckpt_plugin.measure.memory import side_effect_free
@@ -185,6 +186,7 @@ def _time_layers(modules: dict[str, nn.Module], names: list[str], forward: Calla
     def pre(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
         # Alike layers (the blocks of a transformer) are timed once: same class, same parameter
         # shapes, same inputs; a stack of twelve blocks costs one block's timing.
+        args, kwargs = without_cache(args, kwargs)  # each timed run must not add to the model's KV cache
         signature = (_kind(module), module.training, *_signature((args, kwargs)))
         todo = {o: t for o, t in options.items() if (o, signature) not in cache}
         if todo:
