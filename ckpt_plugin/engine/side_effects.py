@@ -151,6 +151,12 @@ class Prepared:
                 )
 
 
+def _is_cache_argument(where: int | str, value: Any) -> bool:
+    """Whether a checkpointed training call gets None for this argument (position or keyword): a
+    transformers cache, or anything passed under a cache's name."""
+    return value is not None and (where in _CACHE_NAMES or is_hf_cache(value))
+
+
 @contextlib.contextmanager
 def cache_warnings_silenced() -> Iterator[None]:
     """Measuring runs (``ckpt=auto``'s profile and timing) wrap layers for a moment, and each of those
@@ -166,8 +172,8 @@ def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     For a layer run again and again on one captured call (``planning/timing.py`` times each option
     on the model's sample input): a transformers cache given to it would grow on every run.
     """
-    args = tuple(None if is_hf_cache(a) else a for a in args)
-    kwargs = {k: (None if v is not None and (k in _CACHE_NAMES or is_hf_cache(v)) else v) for k, v in kwargs.items()}
+    args = tuple(None if _is_cache_argument(i, a) else a for i, a in enumerate(args))
+    kwargs = {k: None if _is_cache_argument(k, v) else v for k, v in kwargs.items()}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return args, kwargs
@@ -215,7 +221,7 @@ class SideEffects:
                     prepared.kwargs[where] = False
                     changes.append("use_cache=False")
                 continue
-            elif value is not None and not keep_cache and (kind == _CACHE or where in _CACHE_NAMES):
+            elif not keep_cache and _is_cache_argument(where, value):
                 if isinstance(where, int):
                     new_args[where] = None
                 else:
