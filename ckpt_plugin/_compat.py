@@ -66,6 +66,16 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), ptr) if ptr else (str(t.device), id(st))
 
 
+class _NoHook:
+    """A removable handle of a hook never registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class CategoryPeakTracker(MemTracker):
     """``MemTracker`` that also records each category's own peak over the step.
 
@@ -93,6 +103,16 @@ class CategoryPeakTracker(MemTracker):
             finally:
                 self._in_ac = False
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
+        # MemTracker registers a gradient hook on every parameter of every module it enters, and
+        # register_hook raises on one that does not require grad (torch 2.13): a frozen sinusoidal
+        # position table (Pegasus, Marian, Whisper), a LoRA's frozen base. Such a parameter never
+        # gets a gradient, so it is marked as hooked already, with handles that remove nothing.
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_peak_stats(self, peak_state: Any) -> None:  # private hook of MemTracker
         super()._update_peak_stats(peak_state)

@@ -1,8 +1,9 @@
 """``ckpt.layers=auto``: the model's repeated block, chosen without configuration, and said.
 
-Hugging Face models are built from configs (nothing downloaded); the rule for
-every other model is the longest run of one class in an ``nn.ModuleList`` or
-``nn.Sequential``. Each choice is checked by name and by the exact note the
+Hugging Face models are built from configs (nothing downloaded) and choose the
+layers Hugging Face checkpoints itself; every other model, its repeated blocks
+(``engine/blocks.py``), shown here on the shapes outside libraries give them.
+The zoo of outside models is ``tests/test_zoo.py``. Each choice is checked by name and by the exact note the
 plan and the report carry; one case trains and compares gradients bit for bit
 with no checkpointing; every mode accepts ``auto``.
 """
@@ -25,7 +26,7 @@ from conftest import small_gpt
 transformers = pytest.importorskip("transformers")
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
-GPT_NOTE = "ckpt.layers=auto chose TransformerBlock (the longest run of one class, in 'blocks'): 4 modules"
+GPT_NOTE = "ckpt.layers=auto chose TransformerBlock (repeated blocks): 4 modules"
 
 
 def tiny_gpt2() -> nn.Module:
@@ -47,10 +48,10 @@ class _Residual(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(self.width, self.width)
+        self.fc1, self.fc2 = nn.Linear(self.width, self.width), nn.Linear(self.width, self.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
+        return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 class Block(_Residual):
@@ -67,17 +68,17 @@ class Wide(_Residual):
 
 # ---------------------------------------------------------------------- what auto chooses
 
-def test_hf_gpt2_chooses_its_no_split_module() -> None:
+def test_hf_gpt2_chooses_its_checkpointing_layer() -> None:
     model = tiny_gpt2()
     assert resolve_layers(model, "auto") == (
-        ("GPT2Block",), "ckpt.layers=auto chose GPT2Block (HF _no_split_modules): 3 modules")
+        ("GPT2Block",), "ckpt.layers=auto chose GPT2Block (HF GradientCheckpointingLayer): 3 modules")
     assert apply_checkpointing(model, layers="auto") == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
 
 
 def test_hf_llama_chooses_its_decoder_layer() -> None:
     model = tiny_llama()
     assert resolve_layers(model, "auto") == (
-        ("LlamaDecoderLayer",), "ckpt.layers=auto chose LlamaDecoderLayer (HF _no_split_modules): 2 modules")
+        ("LlamaDecoderLayer",), "ckpt.layers=auto chose LlamaDecoderLayer (HF GradientCheckpointingLayer): 2 modules")
     assert select_layers(model, "auto") == ["model.layers.0", "model.layers.1"]
 
 
@@ -90,8 +91,7 @@ def test_the_example_gpt_chooses_its_transformer_block() -> None:
 def test_a_sequential_of_identical_blocks() -> None:
     # ResNet-like: the model itself is the stack; a Sequential inside a block holds no run.
     model = nn.Sequential(nn.Conv2d(3, 8, 3), *(Block() for _ in range(5)), nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
-    assert resolve_layers(model, "auto") == (
-        ("Block",), "ckpt.layers=auto chose Block (the longest run of one class, in the model itself): 5 modules")
+    assert resolve_layers(model, "auto") == (("Block",), "ckpt.layers=auto chose Block (repeated blocks): 5 modules")
     assert apply_checkpointing(model, layers="auto") == ["1", "2", "3", "4", "5"]
 
 
@@ -101,81 +101,193 @@ class TwoStacks(nn.Module):
         self.first, self.second = nn.ModuleList(first), nn.Sequential(*second)
 
 
-def test_the_longest_run_wins_then_the_most_parameters_then_the_first() -> None:
-    longer = TwoStacks([Wide(), Wide()], [Block(), Block(), Block()])
-    assert resolve_layers(longer, "auto") == (
-        ("Block",), "ckpt.layers=auto chose Block (the longest run of one class, in 'second'): 3 modules")
-    bigger = TwoStacks([Block(), Block()], [Wide(), Wide()])  # as long: Wide holds more parameters
-    assert resolve_layers(bigger, "auto") == (
-        ("Wide",), "ckpt.layers=auto chose Wide (the longest run of one class, in 'second'): 2 modules")
-    tied = TwoStacks([Other(), Other()], [Block(), Block()])  # as long, as big: the first
-    assert resolve_layers(tied, "auto") == (
-        ("Other",), "ckpt.layers=auto chose Other (the longest run of one class, in 'first'): 2 modules")
+def test_every_stack_is_covered() -> None:
+    # An encoder and a decoder of other classes and lengths: both, not the longer alone (Pegasus, Marian).
+    model = TwoStacks([Wide(), Wide()], [Block(), Block(), Block()])
+    assert resolve_layers(model, "auto") == (
+        ("Wide", "Block"), "ckpt.layers=auto chose Wide, Block (repeated blocks): 5 modules")
+    assert select_layers(model, "auto") == ["first.0", "first.1", "second.0", "second.1", "second.2"]
 
 
-def test_a_run_counts_consecutive_children_only() -> None:
-    # Three Blocks in `first`, never two in a row; two Wides in a row in `second`.
-    model = TwoStacks([Block(), Wide(), Block(), Wide(), Block()], [Wide(), Wide()])
-    assert resolve_layers(model, "auto")[0] == ("Wide",)
+def test_a_stack_of_alternating_classes_is_covered_whole() -> None:
+    # Hybrid stacks (a Mamba layer, an attention layer, ...): every block of the stack, not one class of it.
+    model = TwoStacks([Block(), Wide(), Block(), Wide(), Block()], [])
+    assert select_layers(model, "auto") == [f"first.{i}" for i in range(5)]
 
 
-def test_declared_no_split_modules_without_importing_transformers() -> None:
-    class Embed(nn.Module):
+class Stage(nn.Module):
+    """Blocks as named children b1, b2 of a plain module (timm's RegNet stage), before a downsampling."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        for i in range(depth):
+            self.add_module(f"b{i + 1}", TwoLayerBlock())
+        self.down = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in list(self.children())[:-1]:
+            x = block(x)
+        return self.down(x)
+
+
+class LinearAct(nn.Module):
+    """One weighted layer and its activation: a piece of a block, as timm's ConvNormAct."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class TwoLayerBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = LinearAct(), LinearAct()  # a series of pieces: the block is still this
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.conv1(x))
+
+
+def test_blocks_inside_sequential_stages_inside_a_sequential() -> None:
+    # The issue's reproduction of timm's EfficientNet: the stages are containers, never the block.
+    class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.table = nn.Embedding(10, 8)
+            self.blocks = nn.Sequential(*[nn.Sequential(Block(), Block()) for _ in range(3)])
 
-    class Layer(_Residual):
+    assert select_layers(Net(), "auto") == [f"blocks.{s}.{b}" for s in range(3) for b in range(2)]
+
+
+def test_blocks_as_named_children_of_plain_stages() -> None:
+    # timm's RegNet: stages s1, s2 hold blocks b1, b2, ...; a block's own conv1, conv2 are not blocks.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = LinearAct()
+            self.s1, self.s2 = Stage(2), Stage(3)
+
+    assert resolve_layers(Net(), "auto") == (
+        ("TwoLayerBlock",), "ckpt.layers=auto chose TwoLayerBlock (repeated blocks): 5 modules")
+    assert select_layers(Net(), "auto") == ["s1.b1", "s1.b2", "s2.b1", "s2.b2", "s2.b3"]
+
+
+def test_one_block_per_stage_is_a_stack_across_stages() -> None:
+    # ResNeSt-14: every stage an nn.Sequential of one block; flattened, the blocks follow each other.
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Sequential(TwoLayerBlock()), nn.Sequential(TwoLayerBlock()))
+    assert select_layers(model, "auto") == ["1.0", "2.0"]
+
+
+def test_a_stage_holding_a_container_of_blocks_is_walked_into() -> None:
+    # Swin, DenseNet: a stage (a class of its own, repeated) holding a ModuleList of blocks.
+    class SwinStage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([TwoLayerBlock(), TwoLayerBlock()])
+            self.downsample = LinearAct()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.downsample(x)
+
+    model = nn.Sequential(SwinStage(), SwinStage())
+    assert resolve_layers(model, "auto")[0] == ("TwoLayerBlock",)
+    assert select_layers(model, "auto") == ["0.blocks.0", "0.blocks.1", "1.blocks.0", "1.blocks.1"]
+
+
+def test_a_block_alone_in_a_container() -> None:
+    # One layer called again and again (ALBERT), or a stack of depth one: still the block.
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 8)
+            self.layers = nn.ModuleList([TwoLayerBlock()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(3):
+                x = self.layers[0](x)
+            return x
+
+    assert resolve_layers(Shared(), "auto") == (
+        ("TwoLayerBlock",), "ckpt.layers=auto chose TwoLayerBlock (a block alone in a ModuleList/Sequential): 1 module")
+
+
+def test_hf_marked_layers_win_and_nest_to_the_innermost() -> None:
+    # Hugging Face's marker, read by class name (transformers never imported): Swin marks its stages
+    # and the layers inside them; its own checkpointing is the layers'.
+    class GradientCheckpointingLayer(nn.Module):
         pass
 
-    class Model(nn.Module):  # a PreTrainedModel as far as auto can tell: it declares the attribute
-        _no_split_modules = ["Embed", "Layer", "NotInThisModel"]
-
+    class MarkedStage(GradientCheckpointingLayer):
         def __init__(self) -> None:
             super().__init__()
-            self.embed = Embed()
-            self.layers = nn.ModuleList([Layer(), Layer()])
-            self.longer = nn.ModuleList([Block() for _ in range(4)])  # longer, but the declaration wins
+            self.layers = nn.ModuleList([MarkedLayer(), MarkedLayer()])
 
-    class Wrapper(nn.Module):  # declared on a submodule: found all the same
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class MarkedLayer(GradientCheckpointingLayer):
         def __init__(self) -> None:
             super().__init__()
-            self.inner = Model()
+            self.fc = nn.Linear(8, 8)
 
-    # Embed occurs once beside two Layers: not a stack, left out.
-    note = "ckpt.layers=auto chose Layer (HF _no_split_modules): 2 modules"
-    assert resolve_layers(Model(), "auto") == (("Layer",), note)
-    assert resolve_layers(Wrapper(), "auto") == (("Layer",), note)
-    assert select_layers(Wrapper(), "auto") == ["inner.layers.0", "inner.layers.1"]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
 
-
-def test_declared_classes_absent_fall_back_to_the_longest_run() -> None:
-    model = nn.Sequential(Block(), Block())
-    model._no_split_modules = ["GPT2Block"]
+    model = nn.Sequential(MarkedStage(), nn.Sequential(*(Block() for _ in range(4))))  # the longer run: unmarked
     assert resolve_layers(model, "auto") == (
-        ("Block",), "ckpt.layers=auto chose Block (the longest run of one class, in the model itself): 2 modules")
+        ("MarkedLayer",), "ckpt.layers=auto chose MarkedLayer (HF GradientCheckpointingLayer): 2 modules")
+
+
+def test_a_stack_of_single_layer_pieces() -> None:
+    # Nothing with two weighted layers repeats: the repeated one-layer modules are the blocks.
+    model = nn.Sequential(*(LinearAct() for _ in range(3)), nn.Linear(8, 2))
+    assert resolve_layers(model, "auto") == (
+        ("LinearAct",), "ckpt.layers=auto chose LinearAct (repeated layers): 3 modules")
+
+
+def test_declared_no_split_modules_only_when_the_structure_has_no_block() -> None:
+    class Layer(nn.Module):  # no children: no block by structure
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    class Model(nn.Module):
+        _no_split_modules = ["Layer", "NotInThisModel"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.gap, self.b = Layer(), nn.ReLU(), Layer()
+
+    assert resolve_layers(Model(), "auto") == (("Layer",), "ckpt.layers=auto chose Layer (HF _no_split_modules): 2 modules")
+    with_blocks = TwoStacks([Block(), Block()], [])
+    with_blocks._no_split_modules = ["Linear"]  # a placement hint loses to the structure's blocks
+    assert resolve_layers(with_blocks, "auto")[0] == ("Block",)
 
 
 def test_no_repeated_block_is_an_error_naming_what_was_looked_for() -> None:
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)  # repeated, but in no ModuleList or Sequential
-            self.mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))  # no two in a row
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)  # repeated, but leaves: no block
+            self.mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
 
     message = (
-        "ckpt.layers=auto found no repeated block in Net: no submodule declares Hugging Face's _no_split_modules, "
-        "and no nn.ModuleList or nn.Sequential holds two or more consecutive children of one class; name the "
-        "layers instead (a class name, a module name or a glob such as 'blocks.*'); class names in this model, "
-        "most instances first: Linear, Net, ReLU, Sequential"
+        "ckpt.layers=auto found no repeated block in Net: no module subclasses Hugging Face's "
+        "GradientCheckpointingLayer, and no two modules of one class (with a forward and submodules) sit side by "
+        "side or in one nn.ModuleList, nn.Sequential or nn.ModuleDict; name the layers instead (a class name, a "
+        "module name or a glob such as 'blocks.*'); class names in this model, most instances first: Linear, Net, "
+        "ReLU, Sequential"
     )
     with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
         apply_checkpointing(Net(), layers="auto")
-    model = Net()
-    model._no_split_modules = ["Block"]
-    declared = "found no repeated block in Net: the classes its _no_split_modules declares (Block) are not in it, and"
-    with pytest.raises(ConfigError, match=re.escape(declared)):
-        select_layers(model, "auto")
 
 
 def test_auto_is_given_alone() -> None:

@@ -37,6 +37,7 @@ from typing import ClassVar
 from torch import nn
 
 from ckpt_plugin._compat import user_module
+from ckpt_plugin.engine.blocks import find_blocks
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 _SHOWN = 12  # how many existing names an error lists before "..."
@@ -179,95 +180,12 @@ def _parse(text: str, names: list[str], problems: list[Problem]) -> Selector | N
 # ---------------------------------------------------------------------- ckpt.layers=auto
 
 AUTO = "auto"
-_STACKS = (nn.ModuleList, nn.Sequential)  # the containers a stack of blocks lives in
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Consecutive children of one class in an ``nn.ModuleList`` or ``nn.Sequential``: a stack of blocks."""
-
-    container: str  # its qualified name, "" for the model itself
-    cls: type
-    length: int
-    parameters: int  # elements of every parameter in the run, for ties
-
-
-def _runs(model: nn.Module) -> list[_Run]:
-    """Every run of two or more consecutive same-class children of a stack container, in model order."""
-    runs = []
-    for name, container in model.named_modules():
-        if not isinstance(container, _STACKS):
-            continue
-        children = list(container.children())
-        start = 0
-        for end in range(1, len(children) + 1):
-            if end < len(children) and type(children[end]) is type(children[start]):
-                continue
-            run = children[start:end]
-            if len(run) >= 2 and _has_forward(run[0]):  # a ModuleList of ModuleLists: no layer
-                params = sum(p.numel() for child in run for p in child.parameters())
-                runs.append(_Run(name, type(run[0]), len(run), params))
-            start = end
-    return runs
-
-
-def _declared_no_split(model: nn.Module) -> list[str]:
-    """The class names Hugging Face models in ``model`` declare in ``_no_split_modules``, in model order.
-
-    Read as an attribute of every module (a ``PreTrainedModel`` declares it, its
-    submodels too), so transformers is never imported. accelerate's ``device_map``
-    keeps these classes whole: they are the model's repeated blocks.
-    """
-    declared: dict[str, None] = {}
-    for module in model.modules():
-        names = getattr(module, "_no_split_modules", None)
-        if isinstance(names, (set, frozenset)):
-            names = sorted(names)
-        if isinstance(names, (list, tuple)):
-            declared.update((n, None) for n in names if isinstance(n, str) and n)
-    return list(declared)
 
 
 def _count(named: list[tuple[str, nn.Module]], classes: Sequence[str]) -> int:
     """How many modules ``ckpt.layers=classes`` selects (nested matches dropped)."""
     chosen = {n for n, m in named if any(ClassName(c).matches(n, m) for c in classes)}
     return sum(not _has_ancestor_in(n, chosen) for n in chosen)
-
-
-def _nothing_repeated(model: nn.Module, declared: list[str]) -> Problem:
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
-    hf = (f"the classes its _no_split_modules declares ({', '.join(declared)}) are not in it" if declared
-          else "no submodule declares Hugging Face's _no_split_modules")
-    return Problem(
-        "ckpt.layers",
-        f"ckpt.layers=auto found no repeated block in {type(model).__name__}: {hf}, and no nn.ModuleList "
-        "or nn.Sequential holds two or more consecutive children of one class",
-        "name the layers instead (a class name, a module name or a glob such as 'blocks.*'); class names "
-        f"in this model, most instances first: {_shown(sorted(counts, key=lambda c: (-counts[c], c)))}",
-    )
-
-
-def _auto(model: nn.Module) -> tuple[tuple[str, ...], str]:
-    named = [(n, m) for n, m in model.named_modules() if n]
-    declared = _declared_no_split(model)
-    present = [c for c in declared if _count(named, [c])]
-    if present:
-        # Declared classes seen once (CLIPTextEmbeddings beside twelve CLIPEncoderLayer) are no stack.
-        repeated = [c for c in present if _count(named, [c]) >= 2] or present
-        n = _count(named, repeated)
-        return tuple(repeated), f"{', '.join(repeated)} (HF _no_split_modules): {_modules(n)}"
-    runs = _runs(model)
-    if not runs:
-        raise_problems([_nothing_repeated(model, declared)])
-    best = runs[0]
-    for run in runs[1:]:  # the longest; equal length: the most parameters; then the first in model order
-        if (run.length, run.parameters) > (best.length, best.parameters):
-            best = run
-    cls = best.cls.__name__
-    where = f"in {best.container!r}" if best.container else "in the model itself"
-    return (cls,), f"{cls} (the longest run of one class, {where}): {_modules(_count(named, [cls]))}"
 
 
 def _modules(n: int) -> str:
@@ -277,20 +195,15 @@ def _modules(n: int) -> str:
 def resolve_layers(model: nn.Module, layers: str | Sequence[str]) -> tuple[tuple[str, ...], str | None]:
     """``ckpt.layers`` with ``auto`` replaced by the class names it chooses on ``model``, and a note saying so.
 
-    ``auto`` (alone: it chooses every layer itself) picks the model's repeated block:
-
-    1. a Hugging Face model's: the classes its ``_no_split_modules`` declares (on
-       the model or on any submodule) that occur in it; of those, only the ones
-       that occur more than once if any does;
-    2. otherwise the class of the longest run of consecutive same-class children
-       of an ``nn.ModuleList`` or ``nn.Sequential``; runs of equal length: the one
-       holding the most parameters, then the first in model order.
-
-    Every module of the chosen class is then selected, as ``ckpt.layers=<class>``
-    would. The note reads ``ckpt.layers=auto chose GPT2Block (HF _no_split_modules):
-    12 modules``; it is None when ``layers`` has no ``auto``, which is then returned
-    as it is. Raises a ConfigError when nothing repeats, or when ``auto`` is in a
-    list with other entries.
+    ``auto`` (alone: it chooses every layer itself) picks the model's blocks by
+    the rules of :mod:`ckpt_plugin.engine.blocks`: what the model's library
+    checkpoints itself (Hugging Face's ``GradientCheckpointingLayer``), else the
+    repeated blocks of its structure, else Hugging Face's ``_no_split_modules``.
+    Every module of the chosen classes is then selected, as ``ckpt.layers=<classes>``
+    would. The note reads ``ckpt.layers=auto chose GPT2Block (HF
+    GradientCheckpointingLayer): 12 modules``; it is None when
+    ``layers`` has no ``auto``, which is then returned as it is. Raises a ConfigError
+    when nothing repeats, or when ``auto`` is in a list with other entries.
     """
     layers = (layers,) if isinstance(layers, str) else tuple(layers)
     if AUTO not in layers:
@@ -302,8 +215,13 @@ def resolve_layers(model: nn.Module, layers: str | Sequence[str]) -> tuple[tuple
             f"ckpt.layers: 'auto' chooses every layer itself and cannot be combined with other entries ({others})",
             "give ckpt.layers=auto alone, or name every layer",
         )])
-    chosen, why = _auto(user_module(model))
-    return chosen, f"ckpt.layers=auto chose {why}"
+    model = user_module(model)
+    found = find_blocks(model)
+    if isinstance(found, Problem):
+        raise_problems([found])
+    chosen, rule = found
+    named = [(n, m) for n, m in model.named_modules() if n]
+    return chosen, f"ckpt.layers=auto chose {', '.join(chosen)} ({rule}): {_modules(_count(named, chosen))}"
 
 
 # ---------------------------------------------------------------------- selection

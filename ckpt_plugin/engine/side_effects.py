@@ -25,7 +25,10 @@ back by ``norms.py`` (pytorch#96136). This module handles the arguments (issue #
   fingerprinted before the forward (identities, plain values and tensor
   versions, three levels deep, holding references so no id is reused) and
   compared after it; a forward that changed one raises at once, before any
-  backward, naming the module, the argument and the fix.
+  backward, naming the module, the argument and the fix. A list or dict of
+  tensors and plain values is given as a copy, so a caller that changes it once
+  the forward has returned (torchvision's DenseNet appends each dense layer's
+  output to the list it passed) leaves the recomputation's unchanged.
 
 The model above the layers gets ``use_cache=False`` too, in training with grad
 enabled (:func:`turn_cache_off_above`), as transformers' models do when their own
@@ -179,6 +182,20 @@ def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _snapshot(value: Any) -> Any:
+    """A list or dict of tensors and plain values, copied (one level): what the recomputation replays.
+
+    The caller may change it once the forward has returned: torchvision's DenseNet hands each dense
+    layer the list of the features so far, then appends that layer's output to the very same list.
+    The recomputation must see the list as the forward did. Anything else is given as it is.
+    """
+    if type(value) is list and _kind(tuple(value)) == _PLAIN:
+        return list(value)
+    if type(value) is dict and _kind(tuple(value.values())) == _PLAIN:
+        return dict(value)
+    return value
+
+
 def _parameter_name(forward: Callable[..., Any], position: int) -> str:
     """The name of ``forward``'s positional parameter ``position`` (``"#2"`` when unknown)."""
     try:
@@ -229,10 +246,17 @@ class SideEffects:
                 changes.append(f"{_parameter_name(forward, where) if isinstance(where, int) else where}=None")
                 continue
             if kind != _PLAIN:
+                value = _snapshot(value)
+                if isinstance(where, int):
+                    new_args[where] = value
+                else:
+                    prepared.kwargs[where] = value
                 keep: list = []
                 prepared.watched.append(Watched(where, value, _fingerprint(value, keep), keep))
+        prepared.args = tuple(new_args)
+        prepared.changed = any(a is not b for a, b in zip(prepared.args, args)) or any(
+            prepared.kwargs[k] is not v for k, v in kwargs.items())
         if changes:
-            prepared.args, prepared.changed = tuple(new_args), True
             self._warn(module, changes)
         return prepared if prepared.changed or prepared.watched else None
 

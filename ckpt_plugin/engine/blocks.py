@@ -1,0 +1,213 @@
+"""``ckpt.layers=auto``: which modules of any model are "the block".
+
+Rules, tried in turn; the first that finds anything decides:
+
+1. **What the library checkpoints itself.** A Hugging Face model marks its
+   checkpointing units by subclassing ``GradientCheckpointingLayer``
+   (``transformers.modeling_layers``; ``gradient_checkpointing_enable()``
+   checkpoints exactly those). Every marked module is a block, the innermost
+   ones where marked modules nest (Swin marks each stage *and* each layer in
+   it: the layers). Read from class names, so transformers is never imported.
+2. **The repeated blocks of the structure**, for any other model. The model
+   is walked from its root, looking through the containers whose forward
+   only runs their children in turn (``nn.Sequential``, ``nn.ModuleList``,
+   ``nn.ModuleDict``), so nested stacks (timm's EfficientNet keeps its
+   blocks in ``nn.Sequential`` stages inside an ``nn.Sequential``) are one
+   flat list of siblings. A *block* has a forward of its own, two or more
+   layers with weights of their own (norms aside: a conv-norm-act is a piece
+   of a block), and a sibling of its class in one series: in a container,
+   numbered children of one name (RegNet's ``b1``, ``b2``; DenseNet's
+   ``denselayer1``...), or right beside it. A block that itself holds a
+   series of blocks is a *stage* (a Swin stage, a RegNet stage, a dense
+   block) and is walked into. Every block found, in every stack (encoder
+   *and* decoder), is chosen.
+3. **A block alone in a container**: a stack of depth one, or one layer a
+   loop calls again and again (ALBERT shares one layer across its depth);
+   the innermost.
+4. **Repeated layers**: rule 2 for modules with one weighted layer (a plain
+   stack of conv-norm-acts).
+5. **Hugging Face's ``_no_split_modules``**, the classes accelerate keeps on
+   one device, if they occur more than once: a placement hint, used only
+   when the structure shows nothing.
+
+The chosen blocks' classes are returned; selecting them (``ckpt.layers`` as
+class names) takes every instance, outermost where they nest.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from ckpt_plugin.errors import Problem
+
+HF_MARK = "GradientCheckpointingLayer"  # transformers.modeling_layers: HF's own checkpointing unit
+_STACKS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _passes_through(module: nn.Module) -> bool:
+    """A container whose calls only run its children in turn (or that is never called)."""
+    if isinstance(module, nn.Sequential):
+        return type(module).forward is nn.Sequential.forward
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and not _has_forward(module)
+
+
+@dataclass(frozen=True)
+class _Sibling:
+    name: str  # its name in the module that holds it
+    module: nn.Module
+    stacked: bool  # reached through a container, not as a named child of the parent itself
+
+    def numbered(self) -> tuple[str, str] | None:
+        """``("b", "2")`` for ``b2``, ``("denselayer", "1")`` for ``denselayer1``: a named child of a series."""
+        match = _NUMBERED.fullmatch(self.name)
+        return (match[1], match[2]) if match else None
+
+
+_NUMBERED = re.compile(r"(.*?[A-Za-z_])([0-9]+)")
+
+
+def _siblings(parent: nn.Module) -> list[_Sibling]:
+    """``parent``'s children in registration order, containers that only pass through flattened."""
+    found: list[_Sibling] = []
+
+    def visit(module: nn.Module, stacked: bool) -> None:
+        for name, child in module.named_children():
+            if _passes_through(child):
+                visit(child, True)
+            else:
+                found.append(_Sibling(name, child, stacked))
+
+    visit(parent, isinstance(parent, _STACKS))
+    return found
+
+
+def _series(a: _Sibling, b: _Sibling) -> bool:
+    """Two siblings of one class that are one series: in a container, or numbered children of one name."""
+    if a.stacked and b.stacked:
+        return True
+    na, nb = a.numbered(), b.numbered()
+    return na is not None and nb is not None and na[0] == nb[0]
+
+
+def _units(siblings: list[_Sibling], weighted: int = 1) -> list[int]:
+    """Indices of the siblings that are units: own forward, children, ``weighted`` or more weighted
+    layers, and a sibling of their class in the same series or right beside them."""
+    out = []
+    for i, s in enumerate(siblings):
+        m = s.module
+        if not _has_forward(m) or next(m.children(), None) is None or _layers_with_weights(m) < weighted:
+            continue
+        same = [j for j, o in enumerate(siblings) if j != i and type(o.module) is type(m)]
+        if any(_series(s, siblings[j]) or abs(j - i) == 1 for j in same):
+            out.append(i)
+    return out
+
+
+def _layers_with_weights(module: nn.Module) -> int:
+    """How many modules in ``module`` (itself included) hold parameters of their own, normalisations aside:
+    a conv-norm-act holds one, a residual block or a transformer block several."""
+    return sum(
+        next(m.parameters(recurse=False), None) is not None and "Norm" not in type(m).__name__
+        for m in module.modules()
+    )
+
+
+def _is_stage(module: nn.Module) -> bool:
+    """A unit holding a series of two or more blocks of one class (blocks: two or more weighted
+    layers each; a series of conv-norm-acts is the inside of a block, not a stage)."""
+    siblings = _siblings(module)
+    units = [siblings[i] for i in _units(siblings, weighted=2)]
+    return any(type(a.module) is type(b.module) and _series(a, b) for k, a in enumerate(units) for b in units[k + 1:])
+
+
+def _structural_blocks(parent: nn.Module, weighted: int) -> Iterator[nn.Module]:
+    """The units below ``parent`` that are no stage, each with ``weighted`` or more weighted layers."""
+    siblings = _siblings(parent)
+    units = set(_units(siblings, weighted))
+    for i, s in enumerate(siblings):
+        if i in units and not _is_stage(s.module):
+            yield s.module
+        else:
+            yield from _structural_blocks(s.module, weighted)
+
+
+def _lone_blocks(model: nn.Module) -> list[nn.Module]:
+    """Blocks (a forward, two or more weighted layers) held alone in a container: a stack of depth
+    one, or one layer a loop calls again and again (ALBERT shares one layer across its depth);
+    innermost where they nest."""
+    found = [
+        (name, child)
+        for name, container in model.named_modules()
+        if isinstance(container, (nn.ModuleList, nn.Sequential)) and _passes_through(container)
+        for child_name, child in container.named_children()
+        if _has_forward(child) and _layers_with_weights(child) >= 2
+        for name in [f"{name}.{child_name}" if name else child_name]
+    ]
+    names = [n for n, _ in found]
+    return [m for n, m in found if not any(o.startswith(n + ".") for o in names)]
+
+
+def _marked(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules the model's library marks as its checkpointing units, innermost where they nest."""
+    marked = [(n, m) for n, m in model.named_modules() if n and any(c.__name__ == HF_MARK for c in type(m).__mro__)]
+    names = [n for n, _ in marked]
+    return [(n, m) for n, m in marked if not any(o.startswith(n + ".") for o in names)]
+
+
+def _declared_no_split(model: nn.Module) -> list[str]:
+    """The class names Hugging Face models in ``model`` declare in ``_no_split_modules``, in model order."""
+    declared: dict[str, None] = {}
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if isinstance(names, (set, frozenset)):
+            names = sorted(names)
+        if isinstance(names, (list, tuple)):
+            declared.update((n, None) for n in names if isinstance(n, str) and n)
+    return list(declared)
+
+
+def _classes(modules: list[nn.Module]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(type(m).__name__ for m in modules))
+
+
+def find_blocks(model: nn.Module) -> tuple[tuple[str, ...], str] | Problem:
+    """The class names of ``model``'s blocks and which rule found them (``"HF GradientCheckpointingLayer"``,
+    ``"repeated blocks"``, ``"a block alone in a ModuleList/Sequential"``, ``"repeated layers"``,
+    ``"HF _no_split_modules"``), or the Problem saying nothing repeats."""
+    marked = _marked(model)
+    if marked:
+        return _classes([m for _, m in marked]), f"HF {HF_MARK}"
+    blocks = list(_structural_blocks(model, weighted=2))
+    if blocks:
+        return _classes(blocks), "repeated blocks"
+    lone = _lone_blocks(model)
+    if lone:
+        return _classes(lone), "a block alone in a ModuleList/Sequential"
+    pieces = list(_structural_blocks(model, weighted=1))
+    if pieces:
+        return _classes(pieces), "repeated layers"
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    declared = [c for c in _declared_no_split(model) if counts.get(c, 0) >= 2]
+    if declared:
+        return tuple(declared), "HF _no_split_modules"
+    return Problem(
+        "ckpt.layers",
+        f"ckpt.layers=auto found no repeated block in {type(model).__name__}: no module subclasses Hugging Face's "
+        f"{HF_MARK}, and no two modules of one class (with a forward and submodules) sit side by side or in one "
+        "nn.ModuleList, nn.Sequential or nn.ModuleDict",
+        "name the layers instead (a class name, a module name or a glob such as 'blocks.*'); class names "
+        f"in this model, most instances first: {', '.join(sorted(counts, key=lambda c: (-counts[c], c))[:12])}",
+    )
+
+
+__all__ = ["HF_MARK", "find_blocks"]

@@ -1,0 +1,55 @@
+"""A zoo of models nobody here wrote, built from tiny configs, for what ``layers=auto`` decides.
+
+    python -m ckpt_tools.zoo            # per model: what auto chose, activation peaks none / ours / own
+
+Each :class:`ZooModel` builds one model as its library's users build it (a
+config, nothing downloaded), and calls it as they call it in training. The
+test suite (``tests/test_zoo.py``) and the tool share these entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One outside model: how to build it, call it, and switch on its library's own checkpointing."""
+
+    name: str  # "hf.swin", "torch.transformer_encoder", "shape.efficientnet"
+    family: str  # decoder | encoder | encoder-decoder | moe | state-space | vision | audio | torch | shape
+    build: Callable[[], nn.Module]  # tiny and deterministic (seeds itself), in train mode
+    batch: Callable[[], dict[str, Any]]  # keyword arguments of one training call, as the library's users give them
+    loss: Callable[[Any], torch.Tensor]  # the call's output -> the scalar loss
+    own: Callable[[nn.Module], None] | None  # switches on the library's own checkpointing; None: it has none
+    units: tuple[str, ...]  # class names of the modules the library itself checkpoints (what auto should pick)
+
+    def step(self, model: nn.Module) -> torch.Tensor:
+        """One forward and backward; returns the loss."""
+        loss = self.loss(model(**self.batch()))
+        loss.backward()
+        return loss
+
+
+def hf_loss(output: Any) -> torch.Tensor:
+    """A Hugging Face model's loss when ``labels`` were given; else the mean of its first output."""
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    first = output[0] if isinstance(output, (tuple, list)) else next(iter(output.values()))
+    return first.float().pow(2).mean()
+
+
+def all_models() -> list[ZooModel]:
+    """Every zoo entry: Hugging Face (if transformers imports), torch's own, and the shapes."""
+    from ckpt_tools.zoo import hf, torch_models
+
+    return [*hf.models(), *torch_models.models()]
+
+
+__all__ = ["ZooModel", "all_models", "hf_loss"]

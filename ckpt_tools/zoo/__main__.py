@@ -1,0 +1,39 @@
+"""``python -m ckpt_tools.zoo [NAME ...]``: what ``layers=auto`` chose on each zoo model, and its activation peak.
+
+Prints, per model: the classes chosen, the modules wrapped, whether loss,
+gradients and buffers are bitwise those without checkpointing, and the
+activation peaks (MemTracker, one training step on CPU) without
+checkpointing, with ours and with the library's own, and ours over theirs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ckpt_plugin.measure.units import format_bytes
+from ckpt_tools.zoo import all_models
+from ckpt_tools.zoo.measure import measure
+
+
+def main(argv: list[str] | None = None) -> int:
+    wanted = set(sys.argv[1:] if argv is None else argv)
+    entries = [e for e in all_models() if not wanted or e.name in wanted]
+    print("python -m ckpt_tools.zoo  (activation peak: MemTracker, one training step, CPU)")
+    print(f"{'model':<28}{'family':<16}{'chosen':<46}{'wrapped':>8}{'bitwise':>8}"
+          f"{'none':>11}{'ours':>11}{'own':>11}{'ours/own':>9}")
+    worst = 0.0
+    for entry in entries:
+        r = measure(entry)
+        chosen = ", ".join(r.note.split(" chose ", 1)[1].split(" (", 1)[0].split(", "))
+        own = format_bytes(r.own.act_peak) if r.own else "-"
+        ratio = f"{r.ours_over_own:.3f}" if r.own else "-"
+        worst = max(worst, r.ours_over_own or 0.0)
+        print(f"{entry.name:<28}{entry.family:<16}{chosen[:45]:<46}{len(r.wrapped):>8}"
+              f"{'yes' if not r.mismatches else 'NO':>8}{format_bytes(r.none.act_peak):>11}"
+              f"{format_bytes(r.ours.act_peak):>11}{own:>11}{ratio:>9}")
+    print(f"{len(entries)} models; the largest ours/own: {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

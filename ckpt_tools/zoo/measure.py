@@ -1,0 +1,113 @@
+"""One zoo model, three ways: no checkpointing, ``layers=auto``, the library's own checkpointing.
+
+Each way builds the model afresh and runs two training steps from the same RNG
+state: the first is compared (loss, every gradient, every buffer: bitwise with
+the run without checkpointing), the second measured by ``MemTracker``
+(``step_memory``; the first builds what a model builds lazily: rotary tables,
+masks). The activation peak is README's "How we measure": each category's
+maximum over the step, recomputation counted as activation.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
+from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.measure.memory import step_memory
+from ckpt_tools.zoo import ZooModel
+
+
+@dataclass
+class Run:
+    """What one way of training a zoo model gave."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    act_peak: int  # bytes, MemTracker's activation category (recomputation included)
+
+
+@dataclass
+class ZooResult:
+    entry: ZooModel
+    note: str  # what ckpt.layers=auto said it chose
+    wrapped: list[str]
+    none: Run
+    ours: Run
+    own: Run | None
+    names_kept: bool  # parameter, buffer and module names as without the plugin
+    restored: bool  # remove_checkpointing unwrapped what it wrapped: forwards and hooks as the plain model's
+    mismatches: list[str] = field(default_factory=list)  # gradients/buffers/loss not bitwise equal
+
+    @property
+    def ours_over_own(self) -> float | None:
+        return self.ours.act_peak / self.own.act_peak if self.own else None
+
+
+def _names(model: nn.Module) -> tuple[list[str], ...]:
+    return ([n for n, _ in model.named_parameters()], [n for n, _ in model.named_buffers()],
+            [n for n, _ in model.named_modules()])
+
+
+def _calls(model: nn.Module) -> dict[str, tuple]:
+    """How each module is called: whether by an instance-level forward, and how many hooks it has
+    (a model may add its own in its first forward: transformers' output recorders do)."""
+    return {n: ("forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks))
+            for n, m in model.named_modules()}
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)  # Wav2Vec2's and HuBERT's training-time masking (SpecAugment) draws from numpy
+
+
+def _train(entry: ZooModel, model: nn.Module) -> Run:
+    _seed(1)
+    loss = entry.step(model).detach()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model.zero_grad(set_to_none=True)
+    _seed(2)
+    peak = step_memory(lambda: entry.step(model), model)["act"]
+    model.zero_grad(set_to_none=True)
+    return Run(loss, grads, buffers, peak)
+
+
+def _differences(a: Run, b: Run) -> list[str]:
+    out = [] if torch.equal(a.loss, b.loss) else ["loss"]
+    for kind, x, y in (("grad", a.grads, b.grads), ("buffer", a.buffers, b.buffers)):
+        if x.keys() != y.keys():
+            out.append(f"{kind} names")
+        out += [f"{kind} {n}" for n in x if n in y and not torch.equal(x[n], y[n])]
+    return out
+
+
+def measure(entry: ZooModel) -> ZooResult:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF's config notes and "use_cache=False" advice: known here
+        plain = entry.build()
+        none = _train(entry, plain)
+        model = entry.build()
+        before = _names(model)
+        note = plan_for(model, make_config(layers="auto")).note
+        wrapped = apply_checkpointing(model, layers="auto")
+        ours = _train(entry, model)
+        names_kept = _names(model) == before
+        removed = remove_checkpointing(model)
+        restored = removed == wrapped and not wrapped_modules(model) and _calls(model) == _calls(plain)
+        own = None
+        if entry.own is not None:
+            theirs = entry.build()
+            entry.own(theirs)
+            own = _train(entry, theirs)
+    return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours))
+
+
+__all__ = ["Run", "ZooResult", "measure"]

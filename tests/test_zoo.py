@@ -1,0 +1,46 @@
+"""``layers=auto`` on models nobody here wrote: the zoo (``ckpt_tools/zoo``), one training step per way.
+
+For every model (40 Hugging Face architectures from tiny configs; torch's and
+Lightning's transformers; the nesting shapes of timm and torchvision, which
+cannot be installed beside this torch): auto chooses the units the library
+checkpoints itself (or its repeated layer where it has none); loss, every
+gradient and every buffer are bitwise those without checkpointing; names are
+unchanged; ``remove_checkpointing`` puts every forward and hook back; the
+activation peak (MemTracker) is below the one without checkpointing, and at
+most 1.05x the library's own checkpointing where one exists.
+``python -m ckpt_tools.zoo`` prints the figures.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt_tools.zoo import all_models
+from ckpt_tools.zoo.measure import measure
+
+pytest.importorskip("transformers")
+
+ZOO = {entry.name: entry for entry in all_models()}
+
+
+def test_the_zoo_covers_the_families() -> None:
+    families = {}
+    for entry in ZOO.values():
+        families[entry.family] = families.get(entry.family, 0) + 1
+    assert sum(n for f, n in families.items() if f not in ("torch", "shape")) >= 25
+    assert {"decoder", "encoder", "encoder-decoder", "moe", "state-space", "vision", "audio"} <= families.keys()
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_auto_on_the_zoo(name: str) -> None:
+    entry = ZOO[name]
+    result = measure(entry)
+    chosen = tuple(result.note.split(" chose ", 1)[1].split(" (", 1)[0].split(", "))
+    assert chosen == entry.units
+    assert result.wrapped, "auto wraps something"
+    assert result.mismatches == []
+    assert result.names_kept
+    assert result.restored
+    assert result.ours.act_peak < result.none.act_peak
+    if result.own is not None:
+        assert result.ours.act_peak <= 1.05 * result.own.act_peak, (result.ours.act_peak, result.own.act_peak)
