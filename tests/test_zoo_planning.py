@@ -1,0 +1,52 @@
+"""``ckpt=auto`` plans the zoo's models called as their users call them (issue #20, point 2).
+
+One model per family: a decoder LM with its default KV cache and a padded
+mask, an encoder, an encoder-decoder, a mixture of experts (its experts run
+through ``torch._grouped_mm``), a state-space model, a vision model with
+stages, an audio encoder-decoder, a DenseNet's BatchNorm and list arguments,
+torch's ``nn.Transformer``. Each is planned (profile on fake tensors, per-layer
+timing, the plan) on its own training call, then trains one step: loss and
+every gradient and buffer bitwise those without checkpointing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from ckpt_plugin.config.plan import apply_config
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.measure.fake import NotFakeable
+from ckpt_tools.zoo import all_models
+from ckpt_tools.zoo.measure import _differences, _train
+
+pytest.importorskip("transformers")
+
+ZOO = {entry.name: entry for entry in all_models()}
+FAMILIES = ["hf.qwen2", "hf.bert", "hf.bart", "hf.mixtral", "hf.mamba", "hf.swin", "hf.whisper", "shape.densenet",
+            "torch.transformer"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_auto_plans_and_trains_exactly(name: str) -> None:
+    entry = ZOO[name]
+    model = entry.build()
+    wrapped = apply_config(model, make_config(layers="auto", mode="auto", budget=0.75),
+                           forward=lambda: entry.loss(model(**entry.batch())))
+    assert wrapped  # 0.75 of the peak without checkpointing needs at least one layer wrapped
+    plain, planned = _train(entry, entry.build()), _train(entry, model)
+    assert _differences(plain, planned) == []  # planning left no trace (buffers, RNG), the step is exact
+    assert planned.act_peak <= 0.75 * plain.act_peak
+
+
+def test_a_forward_that_reads_values_is_refused_by_name() -> None:
+    # Wav2Vec2's SpecAugment masking reads lengths as Python numbers: fake tensors have none to give.
+    entry = ZOO["hf.wav2vec2"]
+    model = entry.build()
+    with pytest.raises(NotFakeable, match=re.escape(
+            "ckpt=auto's profile runs Wav2Vec2ForCTC on fake tensors (shapes only, no memory) and its forward "
+            "cannot run on them: DataDependentOutputException")):
+        apply_config(model, make_config(layers="auto", mode="auto", budget=0.75),
+                     forward=lambda: entry.loss(model(**entry.batch())))
