@@ -266,7 +266,8 @@ def test_declared_no_split_modules_only_when_the_structure_has_no_block() -> Non
             super().__init__()
             self.a, self.gap, self.b = Layer(), nn.ReLU(), Layer()
 
-    assert resolve_layers(Model(), "auto") == (("Layer",), "ckpt.layers=auto chose Layer (HF _no_split_modules): 2 modules")
+    assert resolve_layers(Model(), "auto") == (
+        ("Layer",), "ckpt.layers=auto chose Layer (HF _no_split_modules): 2 modules")
     with_blocks = TwoStacks([Block(), Block()], [])
     with_blocks._no_split_modules = ["Linear"]  # a placement hint loses to the structure's blocks
     assert resolve_layers(with_blocks, "auto")[0] == ("Block",)

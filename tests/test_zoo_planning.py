@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from ckpt_plugin.config.plan import apply_config
 from ckpt_plugin.config.schema import make_config
