@@ -36,10 +36,12 @@ Invalid configs (unknown keys, bad types and values, layers matching nothing,
 each wrong key (``ckpt.<key>``) and value, and the model is exactly as before
 the call, including when an earlier valid call had wrapped it. Segments whose
 layers the parent does not call as a chain (a residual, keyword arguments,
-tuple or dict outputs, a layer called twice, a layer skipped) are found only
-by running the forward: a ``RuntimeError`` naming ``ckpt.segments`` and the
-layers, or, where the region can still be replayed, equal gradients; never a
-wrong one.
+tuple or dict outputs, a layer called twice, a layer skipped) are found by
+running the forward: on the model's sample input when it has one, a
+``ConfigError`` at apply naming ``ckpt.segments`` and the layers, the model
+untouched; without one, a ``RuntimeError`` at the first forward or, where the
+region can still be replayed, equal gradients; never a wrong one. A chain
+that skips the last block of one stage is refused at apply in both cases.
 
 The number of examples run per mode is printed in the terminal summary.
 """
@@ -61,7 +63,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
+from ckpt_plugin import ConfigError, apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin._compat import TorchDispatchMode, outer_saved_tensors_hooks
 from ckpt_plugin.engine.chain import ATTR
 from ckpt_plugin.engine.offload import Offloading
@@ -783,12 +785,16 @@ def test_invalid_configs_raise_valueerror_naming_the_key_and_change_nothing(data
 
 _NOT_A_CHAIN = re.compile(r"^ckpt\.segments: (\S+) did not take (\S+)'s output as its one input \(it .*\), so these "
                           r"layers are not a chain and a segment cannot be recomputed from its first input\.")
+_NOT_A_CHAIN_ON_SAMPLE = re.compile(r"^ckpt\.segments: (\S+) did not take (\S+)'s output as its one input \(it .*\) in "
+                                    r"a forward of RandomNet on its sample input, so these layers are not a chain")
+_SEAM_SKIPPED = re.compile(r"^ckpt\.segments: the \d+ selected layers are not one chain: (\S+) comes after (\S+) but in "
+                           r"another list, and (\S+) is not the last child of stages\.0 \((\S+) follows it\)")
 
 
 @st.composite
 def sibling_runs(draw: st.DrawFn) -> tuple[ModelSpec, list[str]]:
-    """Any model, and a run of its blocks that passes the static check (consecutive siblings), which the
-    parent may or may not call as a chain; in two stages, possibly skipping the blocks at the seam."""
+    """Any model, and a run of its blocks that are consecutive siblings, which the parent may or may not
+    call as a chain; in two stages, possibly skipping the block at the seam (a static error)."""
     spec = draw(model_specs(max_blocks=5))
     n = len(spec.blocks)
     a = draw(st.integers(0, n - 1))
@@ -804,20 +810,35 @@ def sibling_runs(draw: st.DrawFn) -> tuple[ModelSpec, list[str]]:
 
 @examples(100)
 @given(data=st.data(), case=sibling_runs())
-def test_segments_over_a_non_chain_raise_at_forward_or_give_equal_grads(data: st.DataObject,
-                                                                        case: tuple[ModelSpec, list[str]],
-                                                                        tally: Counter) -> None:
+def test_segments_over_a_non_chain_are_refused_or_give_equal_grads(data: st.DataObject,
+                                                                    case: tuple[ModelSpec, list[str]],
+                                                                    tally: Counter) -> None:
     spec, names = case
     plain, model = build(spec), build(spec)
-    pristine = snapshot(model)
+    sampled = data.draw(st.booleans(), label="sample input")
+    if not sampled:
+        del model.example_input_array  # no sample: the calls are checked at the first forward
+    pristine, values, rng = snapshot(model), state(model), torch.get_rng_state()
     segments = data.draw(st.sampled_from([1, "sqrt", "recursive"]) | st.integers(1, len(names)))
     keys = {"layers": names, "segments": segments,
             "mode": data.draw(st.sampled_from(["full", "selective"])), "offload": data.draw(st.booleans())}
-    assert apply_checkpointing(model, **keys) == names
-    values = state(model)
+    try:
+        assert apply_checkpointing(model, **keys) == names
+    except ConfigError as err:
+        seam, on_sample = _SEAM_SKIPPED.match(str(err)), _NOT_A_CHAIN_ON_SAMPLE.match(str(err))
+        assert seam or (sampled and on_sample), str(err)
+        later, earlier = (seam or on_sample).groups()[:2]
+        assert later in names and earlier in names and names.index(later) == names.index(earlier) + 1
+        # Refused at apply: nothing installed, nothing changed, no random number drawn.
+        assert wrapped_modules(model) == [] and snapshot(model) == pristine
+        assert_equal(state(model), values, "state_dict after a refused apply")
+        assert torch.equal(torch.get_rng_state(), rng)
+        tally[f"segments over a non-chain: ConfigError at apply ({'seam' if seam else 'sample input'})"] += 1
+        return
     try:
         got = step(model, spec)
     except RuntimeError as err:
+        assert not sampled, f"the check on the sample input let through what the step refused: {err}"
         assert _NOT_A_CHAIN.match(str(err)), str(err)
         later, earlier = _NOT_A_CHAIN.match(str(err)).groups()
         assert later in names and earlier in names and names.index(later) == names.index(earlier) + 1

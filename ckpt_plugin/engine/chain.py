@@ -16,9 +16,12 @@ That is only right if the parent does exactly that, so every call is checked:
 a layer inside a region must receive the very tensor the previous layer
 returned first, then the same other arguments as the previous layer (the very
 same objects, or equal plain values). Anything else raises before a wrong
-gradient can exist. Each layer's arguments go through ``side_effects.py``
-first, in the pre-hook that may replace them: a KV cache is neutralised in
-training, for the region's recomputation too, and a changed mutable argument raises.
+gradient can exist. ``chain_check.Links`` decides: the very check that
+``apply_checkpointing`` runs on a sample input, when there is one, to refuse
+such layers before training (``chain_check.py``). Each layer's arguments go
+through ``side_effects.py`` first, in the pre-hook that may replace them: a KV
+cache is neutralised in training, for the region's recomputation too, and a
+changed mutable argument raises.
 """
 
 from __future__ import annotations
@@ -27,13 +30,12 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from torch.utils.checkpoint import noop_context_fn
 
 from ckpt_plugin._compat import close_region, open_region
-from ckpt_plugin.errors import Problem
+from ckpt_plugin.engine.chain_check import Links, not_a_chain
 from ckpt_plugin.engine.norms import running_stats
 from ckpt_plugin.engine.sequential import Node, Region, regions, schedule
 from ckpt_plugin.engine.side_effects import Prepared, SideEffects
@@ -62,9 +64,7 @@ class ChainCheckpoint:
         }
         self._offload: Any = None  # the offloading context spanning the chain, while it runs
         self._open: list[tuple[Region, Any]] = []
-        self._last_output: Any = None
-        self._last_index = -1
-        self._last_rest: tuple[tuple, dict] = ((), {})  # the previous layer's arguments after its first
+        self._links = Links(names)  # what the previous layer took and returned
         self._prepared: Prepared | None = None  # the running layer's, to check after its forward
         self._plain = False  # this forward runs unchecked, without regions (a KV cache in eval mode)
         self._replaying = 0
@@ -104,7 +104,7 @@ class ChainCheckpoint:
                 args, kwargs = prepared.args, prepared.kwargs
             if self.inside[i]:
                 self._check_chain(i, args, kwargs)
-            self._last_rest = (args[1:], kwargs)
+            self._links.took(args, kwargs)
             for region in self.opens_at[i]:
                 self._enter(region, args, kwargs)
             return (args, kwargs) if prepared is not None and prepared.changed else None
@@ -123,14 +123,14 @@ class ChainCheckpoint:
                     except RuntimeError:
                         self._abandon()
                         raise
-                self._last_output, self._last_index = output, i
+                self._links.returned(i, output)
                 for _region in self.closes_at[i]:
                     if not self._open:  # a failed chain check has abandoned them already
                         break
                     self._exit()
             if i == len(self.layers) - 1:
                 # Held until the next forward, they would keep this step's graph alive through it.
-                self._last_output, self._last_rest = None, ((), {})
+                self._links.release()
             if i == len(self.layers) - 1 and self._offload is not None:
                 self._offload.__exit__(None, None, None)
                 self._offload = None
@@ -138,28 +138,12 @@ class ChainCheckpoint:
         return hook
 
     def _check_chain(self, i: int, args: tuple, kwargs: dict) -> None:
-        rest, kw = self._last_rest
-        if self._last_index != i - 1:
-            got = f"was called after {self.names[self._last_index]}" if self._last_index >= 0 else "was called first"
-        elif not args or args[0] is not self._last_output or not isinstance(args[0], torch.Tensor):
-            got = "got a different value"
-        elif len(args) != len(rest) + 1:
-            got = f"got {len(args)} positional arguments, {self.names[i - 1]} {len(rest) + 1}"
-        elif not same_arguments(args[1:], rest):
-            got = f"got other positional arguments after the first than {self.names[i - 1]}"
-        elif kwargs.keys() != kw.keys():
-            got = f"got the keyword arguments {sorted(kwargs)}, {self.names[i - 1]} {sorted(kw)}"
-        elif not same_arguments(kwargs, kw):
-            differ = [k for k in kwargs if not same_arguments(kwargs[k], kw[k])]
-            got = f"got other values than {self.names[i - 1]} for the keyword arguments {differ}"
-        else:
+        got = self._links.why_not(i, args, kwargs)
+        if got is None:
             return
         self._abandon()
-        # The first sentence is matched by tests (tests/test_properties.py): keep its shape.
         raise RuntimeError(
-            f"ckpt.segments: {self.names[i]} did not take {self.names[i - 1]}'s output as its one input "
-            f"(it {got}), "
-            f"so these layers are not a chain and a segment cannot be recomputed from its first input. "
+            f"{not_a_chain(self.names[i], self.names[i - 1], got)}. "
             f"Use segments only over layers that feed each other one tensor and all get the same keyword "
             f"arguments (an nn.Sequential, or a ModuleList applied as x = layer(x, **kwargs)), or set "
             f"ckpt.segments=null to checkpoint each layer."
@@ -225,22 +209,6 @@ class ChainCheckpoint:
         return out
 
 
-def same_arguments(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are the same arguments: the very same objects, or equal plain values
-    (containers compared item by item), so a replay with ``b`` computes what the call with ``a`` did."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or isinstance(a, torch.Tensor):
-        return False
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(map(same_arguments, a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_arguments(a[k], b[k]) for k in a)
-    if isinstance(a, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
-        return a == b
-    return False
-
-
 def chains_of(model: nn.Module) -> list[ChainCheckpoint]:
     seen: list[ChainCheckpoint] = []
     for m in model.modules():
@@ -248,38 +216,3 @@ def chains_of(model: nn.Module) -> list[ChainCheckpoint]:
         if chain is not None and chain not in seen:
             seen.append(chain)
     return seen
-
-
-def check_consecutive(model: nn.Module, names: list[str]) -> list[Problem]:
-    """Problems that keep ``names`` from being one chain (empty: no static reason).
-
-    Each layer's parent must be an ``nn.Sequential`` or ``nn.ModuleList`` and the
-    layers under one parent consecutive children; a chain may run on from one
-    parent into the next (the Bottlenecks of consecutive ResNet stages). Whether
-    each layer really gets the previous one's output is checked on every call.
-    """
-    problems: list[Problem] = []
-    by_parent: dict[str, list[str]] = {}
-    for name in names:
-        by_parent.setdefault(name.rpartition(".")[0], []).append(name)
-    for parent_name, group in by_parent.items():
-        parent = model.get_submodule(parent_name)
-        where = parent_name or "the model"
-        if not isinstance(parent, (nn.Sequential, nn.ModuleList)):
-            problems.append(Problem(
-                "ckpt.segments",
-                f"ckpt.segments: {', '.join(group)} {'is a child' if len(group) == 1 else 'are children'} of "
-                f"{where} ({type(parent).__name__}), not of "
-                f"an nn.Sequential or nn.ModuleList, so the order they run in is unknown",
-                "select blocks of a Sequential/ModuleList, or set ckpt.segments=null",
-            ))
-            continue
-        children = [f"{parent_name}.{k}" if parent_name else k for k, _ in parent.named_children()]
-        start = children.index(group[0])
-        if children[start : start + len(group)] != group:
-            problems.append(Problem(
-                "ckpt.segments",
-                f"ckpt.segments: {', '.join(group)} are not consecutive children of {where}",
-                "select a run of consecutive blocks (ckpt.every_n cannot be combined with segments)",
-            ))
-    return problems

@@ -50,7 +50,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
-from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of, check_consecutive
+from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of
+from ckpt_plugin.engine.chain_check import check_chain
 from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
@@ -158,14 +159,17 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
 
 def check_plan(model: nn.Module, plan: WrapPlan) -> None:
     """Raise if ``plan`` cannot be put on ``model`` (``user_module(model)``): a name that is no module,
-    segments over layers that are not a chain or fewer layers than segments. Touches nothing."""
+    segments over layers that cannot be a chain where they sit (``chain_check.check_chain``: other
+    parents than a Sequential/ModuleList, gaps, a chain running on into an unrelated list) or fewer
+    layers than segments. Touches nothing and runs nothing: what the layers get when called is checked
+    on a sample input by ``config/plan.py``, and on every call by the chain."""
     modules = dict(model.named_modules())
     missing = [n for n in plan.names if n not in modules]
     if missing:
         raise ValueError(f"the plan names {', '.join(map(repr, missing))}, not modules of {type(model).__name__}")
     for group in plan.groups:
         if isinstance(group, Segments):
-            raise_problems(check_consecutive(model, list(group.names)), "ckpt.segments")
+            raise_problems(check_chain(model, list(group.names)), "ckpt.segments")
             schedule(len(group.names), group.segments)  # raises if segments > len(names)
 
 
