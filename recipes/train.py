@@ -6,6 +6,7 @@
     python recipes/train.py ckpt=none                          # the same run without checkpointing
     python recipes/train.py trainer=ddp trainer.accelerator=cpu trainer.devices=2
     python recipes/train.py 'callbacks=[activation_checkpointing,model_checkpoint]' ckpt_path=last   # resumable
+    python recipes/train.py --help                             # the groups to choose from, and the config
 
 Configs: ``recipes/configs/`` (``train.yaml``; the groups ``trainer``,
 ``callbacks/model_checkpoint`` and ``hydra/launcher``). The ``ckpt`` group and
@@ -27,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import DictConfig, OmegaConf
 
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit
+from ckpt_plugin.configs.app import check_app_config, config_errors_exit, config_groups
 from ckpt_plugin.lightning.resume import latest_checkpoint
 
 
@@ -52,6 +53,7 @@ def processes(devices: Any, num_nodes: Any = 1) -> int:
 
 
 OmegaConf.register_new_resolver("processes", processes, replace=True)
+OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)  # --help: train.yaml's hydra.help
 
 
 class StepsRichProgressBar(RichProgressBar):

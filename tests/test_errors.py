@@ -373,12 +373,17 @@ CLI_CASES = {
     "too-many-segments": ("ckpt.segments=9",),
     "deepspeed-without-deepspeed": ("ckpt=deepspeed", "ckpt.layers=TransformerBlock"),
     "bad-budget": ("ckpt=auto", "ckpt.layers=TransformerBlock", "ckpt.budget=3 GiBs"),
+    # issue #20, point 4: each of these met a traceback (or trained) before
+    "unreachable-budget": ("ckpt=auto", "ckpt.budget=1KB"),
+    "unresolved-interpolation": ("ckpt.layers=${oc.env:NOPE}",),
+    "target-override": ("ckpt._target_=builtins.dict",),
+    "int-as-bool": ("ckpt.preserve_rng_state=2",),
 }
 
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
-    """Run the four bad command lines at once (each takes seconds, mostly imports)."""
+    """Run the bad command lines at once (each takes seconds, mostly imports)."""
 
     # Directories made here, in one thread: tmp_path_factory is not thread-safe.
     dirs = {case: tmp_path_factory.mktemp(case) for case in CLI_CASES}
@@ -390,13 +395,14 @@ def cli(tmp_path_factory):
         return dict(pool.map(one, CLI_CASES))
 
 
-# Hydra words these three errors itself; what must reach the user (in any Hydra release): a failed exit,
-# the override as typed, and for a preset the valid ones (our files in the ckpt group).
+# Hydra words these two errors itself, while composing, before the app runs (its message alone, exit code 1);
+# what must reach the user (in any Hydra release): a failed exit, the override as typed, and for a preset
+# the valid ones (our files in the ckpt group).
 
 
 def test_cli_unknown_preset(cli):
     proc = cli["unknown-preset"]
-    assert proc.returncode != 0
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "ckpt/fulll" in proc.stderr
     listed = set(re.findall(r"\w+", proc.stderr.split("ckpt/fulll", 1)[1]))
     presets = {path.stem for path in GROUP_DIRS["ckpt"].glob("*.yaml")}
@@ -405,14 +411,8 @@ def test_cli_unknown_preset(cli):
 
 def test_cli_unknown_key(cli):
     proc = cli["unknown-key"]
-    assert proc.returncode != 0
-    assert "ckpt.foo" in proc.stderr
-
-
-def test_cli_wrong_type(cli):
-    proc = cli["wrong-type"]
-    assert proc.returncode != 0
-    assert "ckpt.every_n=two" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "ckpt.foo" in proc.stderr and "+ckpt.foo=1" in proc.stderr  # with +, the plugin names the valid keys
 
 
 def _short_error(proc) -> str:
@@ -423,6 +423,36 @@ def _short_error(proc) -> str:
     assert hint == "(HYDRA_FULL_ERROR=1 shows the traceback.)"
     assert first.startswith("Error: ")
     return first.removeprefix("Error: ")
+
+
+def test_cli_wrong_type(cli):
+    # The ckpt node's values reach the plugin's checks as typed: its message, not OmegaConf's conversion
+    assert _short_error(cli["wrong-type"]) == "ckpt.every_n='two' (str) must be an integer >= 1"
+
+
+def test_cli_unreachable_budget(cli):
+    # found once ckpt=auto has measured the model, in the callback's on_fit_start: still the message alone
+    message = _short_error(cli["unreachable-budget"])
+    assert re.fullmatch(
+        r"ckpt\.budget: 1000 bytes \(1000 B, 0\.00 of the activation peak without checkpointing, [\d.]+ MiB\) cannot "
+        r"be met by checkpointing ckpt\.layers: the smallest peak reachable is \d+ bytes \([\d.]+ KiB, 0\.\d+\); "
+        r"raise ckpt\.budget to at least 0\.\d+ or \d+ bytes, or select more layers", message), message
+    assert "train_loss" not in cli["unreachable-budget"].stdout
+
+
+def test_cli_config_mistakes_that_met_a_traceback(cli):
+    assert _short_error(cli["unresolved-interpolation"]) == (
+        "ckpt.layers='${oc.env:NOPE}' does not resolve: KeyError raised while resolving interpolation: "
+        "\"Environment variable 'NOPE' not found\"; set what the interpolation refers to, or give the value itself"
+    )
+    assert _short_error(cli["target-override"]) == (
+        "ckpt._target_='builtins.dict': the ckpt node builds the plugin's callback, ckpt_plugin.ActivationCheckpointing, "
+        "and its _target_ is not a setting; drop the override of ckpt._target_; choose a preset with ckpt=<name> "
+        "(full, selective, offload, auto, deepspeed, none, ...) and set its keys with ckpt.<key>=<value>"
+    )
+    assert _short_error(cli["int-as-bool"]) == "ckpt.preserve_rng_state=2 (int) must be true or false"  # trained as true before
+    for case in ("unresolved-interpolation", "target-override", "int-as-bool"):
+        assert "Instantiating" not in cli[case].stdout + cli[case].stderr
 
 
 def test_cli_unknown_layer(cli):
@@ -449,8 +479,8 @@ def test_cli_errors_found_before_anything_is_built(cli):
     """What the composed config shows wrong is reported before the data or the model is built."""
     assert _short_error(cli["deepspeed-without-deepspeed"]) == (
         "ckpt.deepspeed is set (ckpt=deepspeed: DeepSpeed's own checkpoint) but trainer.strategy is 'auto', "
-        "not a DeepSpeed strategy; choose trainer=deepspeed_zero1/2/3, or another ckpt preset (torch's "
-        "checkpoint works under every strategy)"
+        "not a DeepSpeed strategy; choose trainer=deepspeed_zero1, deepspeed_zero2, deepspeed_zero3 or "
+        "deepspeed_zero3_offload; or choose another ckpt preset (torch's checkpoint works under every strategy)"
     )
     assert _short_error(cli["bad-budget"]).startswith("ckpt.budget='3 GiBs' is not a budget")
     for case in ("deepspeed-without-deepspeed", "bad-budget"):

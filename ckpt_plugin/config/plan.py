@@ -9,6 +9,13 @@ each call runs (an ``engine.treatment.Treatment``), one checkpoint per layer or
 segments over a chain, or, for ``ckpt=auto``, what the planner chose from a
 profile. It dispatches on the config's type. Nothing here touches the model;
 :func:`apply_config` is ``install(model, plan_for(...))``.
+
+Segments are checked here, when they are asked for, not at the first step
+(issue #20): where the layers sit (``engine.chain_check.check_chain``), then,
+when there is a sample input (``forward``, or the model's
+``example_input_array``), what they get in one forward of it on fake tensors:
+the very check every call of the chain goes through (``chain_check.Links``),
+on every layer. Without a sample, that check waits for the first step.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from torch import nn
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
 from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
+from ckpt_plugin.engine.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
 from ckpt_plugin.engine.policies import make_policy
 from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
-from ckpt_plugin.engine.wrap import install, policy_of
-from ckpt_plugin.errors import Problem, raise_problems
+from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install, policy_of
+from ckpt_plugin.errors import ConfigError, Problem, raise_problems
+from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
@@ -59,7 +68,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
-    profile; by default ``model(model.example_input_array)``. ``model`` may be
+    profile and the segments' chain check (on fake tensors); by default
+    ``model(model.example_input_array)``, if it has one. ``model`` may be
     wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
     """
     model = user_module(model)
@@ -69,8 +79,9 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     note = note or ""
     names = select_layers(model, layers, config.every_n)
     if isinstance(config, AutoConfig):
-        measured = profile(model, names, lambda: scalar((forward or example_forward(model))()), timed=True)
-        chosen = measured.plan(resolve(parse_budget(config.budget), measured.no_ckpt_peak))  # raises if it cannot fit
+        forward = forward or _sample_forward(model)
+        measured = profile(model, names, lambda: scalar(forward()), timed=True)
+        chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
         plan = wrap_plan(chosen, config.preserve_rng_state)
         summary = plan.summary
         if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
@@ -85,7 +96,56 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
             "ckpt.segments",
             f"ckpt.segments={segments} cannot be combined with ckpt.every_n={config.every_n}: "
             "segments group consecutive layers", "drop one of the two")])
-    return WrapPlan((Segments(tuple(names), segments, treatment_of(config)),), summary=note, note=note)
+    plan = WrapPlan((Segments(tuple(names), segments, treatment_of(config)),), summary=note, note=note)
+    check_plan(model, plan)  # where the layers sit, first: nothing runs for layers that cannot be a chain
+    if forward is None and getattr(model, "example_input_array", None) is not None:
+        forward = example_forward(model)
+    if forward is not None:
+        raise_problems(chain_problems(model, names, forward), "ckpt.segments")
+    return plan
+
+
+def chain_problems(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> list[Problem]:
+    """Whether ``names`` run as a chain in ``forward()``, run once on fake tensors: the first break, or none.
+
+    Each call is checked as the chain checks its calls in training (``chain_check.Links``),
+    the arguments as a checkpointed training call gets them. The model runs as it
+    is unwrapped, leaving no trace (buffers, RNG, ``.grad``). A forward that cannot
+    run on fake tensors, or fails for any reason of its own before a layer breaks
+    the chain, decides nothing: the calls are then checked at the first step, as without a sample.
+    """
+    breaks: list[tuple[int, str]] = []
+    try:
+        with (checkpointing_disabled(model), watching(model, names) as breaks,
+              on_fake_tensors(model, "ckpt.segments' chain check")):
+            forward()
+    except Exception as err:  # noqa: BLE001 -- the step itself will report its own error
+        if not breaks:
+            log.debug("ckpt.segments: the chain is checked at the first step (the sample forward failed: %s)", err)
+    return [call_problem(model, names, breaks)] if breaks else []
+
+
+def _sample_forward(model: nn.Module) -> Callable[[], Any]:
+    """``model(example_input_array)``; a model without one is the user's to fix, so a ConfigError."""
+    if getattr(model, "example_input_array", None) is None:
+        raise_problems([Problem(
+            "ckpt.mode",
+            f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on {type(model).__name__} "
+            "(Lightning's convention: a tensor, a tuple of arguments or a dict)",
+            "or choose another ckpt preset (under Lightning's callback, the call training_step makes with the first "
+            "training batch serves too)",
+        )])
+    return example_forward(model)
+
+
+def _fitting(measured: Any, budget_bytes: int) -> Any:
+    """The planner's choice for ``budget_bytes``; a budget no choice meets is the user's to change."""
+    try:
+        return measured.plan(budget_bytes)
+    except ConfigError:
+        raise
+    except ValueError as err:  # planning/planner.py words "cannot be met" (and the smallest peak) as a ValueError
+        raise ConfigError([Problem("ckpt.budget", str(err))]) from err
 
 
 def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> list[str]:
@@ -118,4 +178,4 @@ def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
     return apply_config(model, make_config(**ckpt_keys))
 
 
-__all__ = ["apply_checkpointing", "apply_config", "plan_for", "treatment_of"]
+__all__ = ["apply_checkpointing", "apply_config", "chain_problems", "plan_for", "treatment_of"]

@@ -1,11 +1,13 @@
 """The typed schema of the ``ckpt`` config node, one dataclass per mode.
 
 Every mode is a small kw-only dataclass holding only its own fields. The same
-classes serve twice: Hydra's ConfigStore uses them as the schema of the YAML
-presets in ``ckpt_plugin/configs/ckpt/`` (so ``ckpt.every_n=two`` is a type error before
-anything runs), and :func:`make_config` builds them from keyword arguments for
-the Python API, validating in ``__post_init__`` with errors that name the key,
-the value and what would work.
+classes serve twice: Hydra's ConfigStore builds the YAML presets in
+``ckpt_plugin/configs/ckpt/`` on their keys (so ``ckpt.foo=1`` is Hydra's error,
+and a preset has exactly these keys), and :func:`make_config` builds them from
+keyword arguments, for the Python API and for every Hydra app alike, validating
+in ``__post_init__`` with errors that name the key, the value and what would
+work. Values are judged here only, never converted by OmegaConf on the way
+(``ckpt_plugin/configs``): ``ckpt.preserve_rng_state=2`` is an error, not true.
 
 The schema imports no framework (no torch, Lightning, Hydra or OmegaConf at
 import time), so Hydra's search-path plugin can register it in any app

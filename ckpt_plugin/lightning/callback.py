@@ -30,7 +30,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
@@ -40,12 +39,12 @@ from ckpt_plugin._compat import user_module
 from ckpt_plugin.config.plan import plan_for
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
 from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing
-from ckpt_plugin.errors import ConfigError
+from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.lightning.sample import sample_call
 from ckpt_plugin.lightning.strategies import prepare
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import WrapReport, wrap_report
-from ckpt_plugin.measure.sample import call_args
 
 
 class ActivationCheckpointing(pl.Callback):
@@ -160,7 +159,16 @@ class ActivationCheckpointing(pl.Callback):
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
         prepare(trainer.strategy, pl_module, self.config)
-        forward = self._example_forward(trainer, pl_module)
+        forward = self._example_forward(trainer, pl_module, from_batch=isinstance(self.config, AutoConfig))
+        if forward is None and isinstance(self.config, AutoConfig):
+            raise ConfigError([Problem(
+                "ckpt.mode",
+                f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on "
+                f"{type(pl_module).__name__} (Lightning's convention: a tensor, a tuple of arguments or a dict); "
+                "without it the first training batch serves, but there is no train dataloader or its "
+                "training_step runs the model otherwise than through self(...)",
+                "set example_input_array, or choose another ckpt preset",
+            )])
         if isinstance(self.config, AutoConfig):
             rank_zero_info("ckpt=auto: measuring the candidate layers (memory on fake tensors, step time one "
                            "layer at a time) to plan for ckpt.budget...")
@@ -187,14 +195,17 @@ class ActivationCheckpointing(pl.Callback):
         self._check_names()
 
     @staticmethod
-    def _example_forward(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[], Any] | None:
-        """A forward of ``example_input_array`` prepared as Lightning prepares a batch, or None."""
-        example = pl_module.example_input_array
-        if example is None:
+    def _example_forward(trainer: pl.Trainer, pl_module: pl.LightningModule,
+                         from_batch: bool = False) -> Callable[[], Any] | None:
+        """A forward on ``example_input_array``, else (``from_batch``: ckpt=auto) on the call training_step makes
+        with the first training batch (``sample.py``); or None."""
+        call = sample_call(trainer, pl_module, from_batch=from_batch)
+        if call is None:
             return None
-        # To the device, then to the precision's dtype (64-true), as the loop does with a batch.
-        example = trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device))
-        args, kwargs = call_args(example)
+        if pl_module.example_input_array is None:
+            rank_zero_info(f"{type(pl_module).__name__} has no example_input_array: ckpt=auto plans on the call "
+                           "its training_step makes with the first training batch.")
+        args, kwargs = call
 
         def forward() -> Any:
             with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step

@@ -3,9 +3,14 @@
     ckpt.budget=0.4     ckpt.budget=40%     ckpt.budget=2GiB     ckpt.budget='2 GiB'     ckpt.budget=300MB
 
 A size is a number and a unit (B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB,
-TiB powers of 1024), in any case, with or without a space between them. Anything
-else is a :class:`~ckpt_plugin.errors.ConfigError` naming ``ckpt.budget``, the
-value and these forms: a budget never falls back to a default.
+TiB powers of 1024), in any case, with or without a space between them, or an
+integer number of bytes. Anything else is a :class:`~ckpt_plugin.errors.ConfigError`
+naming ``ckpt.budget``, the value and these forms: a budget never falls back to a default.
+
+Typed in a config or on a command line (``typed=True``: Hydra apps, through
+``check_app_config``), an integer below 1 MiB other than 1 is refused too:
+``ckpt.budget=2`` is a slip for "2 GB" or "0.2" far more often than a budget of
+two bytes. In Python a computed byte count (``budget=peak // 2``) may be any size.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ _NEEDS_BUDGET = (
 )
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_LEAST_TYPED = 2**20  # a typed integer budget below 1 MiB (but 1, the whole peak) needs a unit: see the docstring
 _SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)$", re.IGNORECASE)
 
 
@@ -64,10 +70,11 @@ def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
     return Budget(fraction=float(value))
 
 
-def parse_budget(budget: Any) -> Budget:
+def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
     """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"2 GiB"``, ``"512MiB"``, ``"300MB"`` or an int of bytes.
 
-    The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte.
+    The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte. ``typed``:
+    the value was typed in a config, where any other int below 1 MiB is a slip (``2`` for "2 GB").
     Anything else raises a :class:`ConfigError` about ``ckpt.budget``.
     """
     if budget is None or budget == "???" or (isinstance(budget, str) and not budget.strip()):  # ??? is MISSING
@@ -77,6 +84,10 @@ def parse_budget(budget: Any) -> Budget:
     if isinstance(budget, int):
         if budget <= 0:
             raise _not_positive(budget)
+        if typed and 1 < budget < _LEAST_TYPED:
+            raise _wrong(f"ckpt.budget={budget} would be {budget} bytes (an integer is a number of bytes): "
+                         "did you mean a fraction or a size with a unit?",
+                         f"write e.g. 0.4, 40% or 2GiB, or {budget}B if {budget} bytes are meant")
         return Budget(fraction=1.0) if budget == 1 else Budget(bytes=budget)
     if isinstance(budget, float):
         return _fraction(budget, budget)
