@@ -32,14 +32,14 @@ import hydra
 import torch
 from hydra.utils import instantiate
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.config.plan import apply_config
 from ckpt_plugin.config.schema import make_config
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit
+from ckpt_plugin.configs.app import check_app_config, config_errors_exit, config_groups
 from ckpt_plugin.engine.wrap import remove_checkpointing
 from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
@@ -189,6 +189,9 @@ def inspect_step(
     recompute = {n: by1[n] - by0[n] for n in names}
     recompute[REST] = (f1 - f0) - sum(recompute.values())
     return Inspection(type(model).__name__, names, without, with_ckpt, recompute, (f0, f1), (p0, p1))
+
+
+OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)  # --help: inspect.yaml's hydra.help
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ckpt_tools.configs", config_name="inspect")

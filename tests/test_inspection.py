@@ -153,6 +153,8 @@ def test_console_script_help_and_errors(tmp_path: Path) -> None:
     assert out.startswith("ckpt-inspect: what a ckpt config does to a model, measured on one training step")
     assert "ckpt-inspect --config-dir conf model=mine data=mine ckpt.layers=MyBlock" in out
     assert "ckpt: auto, deepspeed, full, names, none, offload, recursive, segments, selective" in out
+    assert "\ndata: images, text\nmodel: gpt, resnet\n" in out  # the example groups, added by hydra.searchpath
+    assert "ckpt_schema" not in out and "schema" not in out.split("== Config (with your overrides) ==")[0]
     # a ckpt mistake: the message alone, exit code 2, before the model is built
     out = _cli(tmp_path, *TINY_GPT, "ckpt.every_n=0", returncode=2)
     assert out == ("Error: ckpt.every_n=0 must be >= 1: 1 wraps every matched layer, 2 every second one, ...\n"

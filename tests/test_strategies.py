@@ -170,7 +170,7 @@ def test_deepspeed_options_need_a_deepspeed_strategy() -> None:
     config = make_config(layers="Block", deepspeed={"partition_activations": True})
     with pytest.raises(ValueError, match=(
         r"^ckpt.deepspeed is set but trainer.strategy is DDPStrategy: DeepSpeed's own checkpoint needs a "
-        r"DeepSpeed strategy \(trainer=deepspeed_zero1/2/3\)"
+        r"DeepSpeed strategy \(Trainer\(strategy='deepspeed_stage_3'\), or the recipe's trainer=deepspeed_zero1/2/3\)"
     )):
         prepare(DDPStrategy(), nn.Sequential(Block()), config)
 

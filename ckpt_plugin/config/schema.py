@@ -40,8 +40,8 @@ def _quote_all(items: Iterable[str]) -> str:
 class LayerSelection:
     """Which modules to checkpoint; shared by every mode that wraps modules."""
 
-    # "auto" (the model's repeated block: HF _no_split_modules, else the longest run of one class
-    # in a ModuleList/Sequential), or class names ("TransformerBlock"), module names ("head",
+    # "auto" (the model's blocks: what its library checkpoints itself, HF's GradientCheckpointingLayer,
+    # else the repeated blocks of its structure: engine/blocks.py), or class names ("TransformerBlock"), module names ("head",
     # "blocks.3"), dotted class paths ("pkg.mod.Block"), module-name globs ("blocks.*") or
     # regexes ("re:blocks\.[0-9]+"); a string or a list. A plain word that names a module wins.
     # Required; None (YAML null) until the user names them, so our message, not Hydra's, says so.

@@ -40,7 +40,7 @@ class WrapPlan:
 
     ``summary`` is what is to be said when the plan is installed: ``note`` first, then
     ``ckpt=auto``'s table (and, when it wraps nothing, that the budget is why); ``note`` says what ``ckpt.layers=auto`` chose (``ckpt.layers=auto
-    chose GPT2Block (HF _no_split_modules): 12 modules``), "" otherwise, for reports that show
+    chose GPT2Block (HF GradientCheckpointingLayer): 12 modules``), "" otherwise, for reports that show
     it apart (``measure/report.py``); ``planned`` is the planner's own account of the plan
     (``ckpt=auto``'s ``Plan``: predicted peak and time), for the callback and tools that report
     it beside what the step then measures.

@@ -58,7 +58,8 @@ def prepare(strategy: Any, model: nn.Module, config: Any) -> None:
         raise ConfigError([Problem(
             "ckpt.deepspeed",
             f"ckpt.deepspeed is set but trainer.strategy is {type(strategy).__name__}: DeepSpeed's own "
-            "checkpoint needs a DeepSpeed strategy (trainer=deepspeed_zero1/2/3)",
+            "checkpoint needs a DeepSpeed strategy (Trainer(strategy='deepspeed_stage_3'), or the recipe's "
+            "trainer=deepspeed_zero1/2/3)",
             "under any other strategy leave ckpt.deepspeed unset (torch's checkpoint is used)",
         )])
     if deepspeed and settings is None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
+from ckpt_plugin._compat import hook_count
 from ckpt_plugin.config.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.measure.memory import step_memory
@@ -59,8 +60,7 @@ def _names(model: nn.Module) -> tuple[list[str], ...]:
 def _calls(model: nn.Module) -> dict[str, tuple]:
     """How each module is called: whether by an instance-level forward, and how many hooks it has
     (a model may add its own in its first forward: transformers' output recorders do)."""
-    return {n: ("forward" in m.__dict__, len(m._forward_pre_hooks), len(m._forward_hooks))
-            for n, m in model.named_modules()}
+    return {n: ("forward" in m.__dict__, hook_count(m)) for n, m in model.named_modules()}
 
 
 def _seed(seed: int) -> None:
