@@ -15,6 +15,7 @@ second run to check and no buffer written twice; the policy alone matters.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,23 +63,60 @@ class Treatment:
         """
         if self.policy is None and not stats and label is None:
             return None
-        policy = self.policy
+        return _Contexts(_contexts, self.policy, _Eager(stats, label))
 
-        def contexts() -> tuple[Any, Any]:
-            if tracing_for_compile():
-                return _compiled_contexts(policy)
-            forward, recompute = policy.context_fn() if policy else (contextlib.nullcontext(),) * 2
-            fwd, rec = [lambda: forward], [lambda: recompute, lambda: keep_running_stats(stats)]
-            if label is not None:
-                record = CallRecord(label, stats)  # one per call: a module may run several times per step
-                fwd.append(record.forward)
-                rec.append(record.recompute)
-            return _Fresh(fwd), _Fresh(rec)
 
-        # AOTAutograd caches a compiled graph with a context_fn only if the context_fn says
-        # what it does; compiled, only the policy matters (its repr names its ops or names).
-        contexts.cache_hash = f"ckpt_plugin {policy!r}"  # type: ignore[attr-defined]
-        return contexts
+class _Eager:
+    """What only the eager contexts need: the BatchNorm statistics to keep, the label of the check.
+
+    An object, not a list: dynamo takes a partial's arguments as constants, and a list of
+    tensors is none (it broke the graph at the checkpoint, which then ran eagerly)."""
+
+    def __init__(self, stats: list, label: str | None) -> None:
+        self.stats, self.label = stats, label
+
+
+def _contexts(policy: Any, eager: _Eager) -> tuple[Any, Any]:
+    """The contexts of one checkpointed call: torch's modes while torch.compile traces, else ours."""
+    if tracing_for_compile():
+        return _compiled_contexts(policy)
+    stats, label = eager.stats, eager.label
+    forward, recompute = policy.context_fn() if policy else (contextlib.nullcontext(),) * 2
+    fwd, rec = [lambda: forward], [lambda: recompute, lambda: keep_running_stats(stats)]
+    if label is not None:
+        record = CallRecord(label, stats)  # one per call: a module may run several times per step
+        fwd.append(record.forward)
+        rec.append(record.recompute)
+    return _Fresh(fwd), _Fresh(rec)
+
+
+class _Contexts(functools.partial):
+    """``checkpoint``'s context_fn for one wrapped call: ``_contexts`` with its arguments bound.
+
+    Not a closure: inductor's FX graph cache pickles the traced graph, the checkpoint's
+    context_fn in it, to key the compiled code, and a local function cannot be pickled
+    ("Failed to pickle cache key ... Can't pickle local object": every new process
+    compiled the graph again). A ``functools.partial``, since dynamo traces a checkpoint's
+    context_fn only if it is a function or a partial. What a compiled graph depends on is
+    the policy alone (compiled, torch's modes replace the eager contexts), so that is what
+    it pickles as (:meth:`__reduce__`) and what ``cache_hash`` says, which AOTAutograd's
+    cache requires of a context_fn.
+    """
+
+    def __new__(cls, func: Any, policy: Any, eager: _Eager) -> _Contexts:
+        self = super().__new__(cls, func, policy, eager)
+        self.cache_hash = f"ckpt_plugin {policy!r}"  # the policy's repr names its ops or names
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return CompiledKey, (self.cache_hash,)
+
+
+@dataclass(frozen=True)
+class CompiledKey:
+    """What a compiled graph's cache key holds of a :class:`_Contexts`: the policy's description."""
+
+    cache_hash: str
 
 
 def _compiled_contexts(policy: Any) -> tuple[Any, Any]:

@@ -1,0 +1,45 @@
+"""One compiled, checkpointed training step; prints inductor's and AOTAutograd's cache counters as JSON.
+
+    python tests/compile_cache_job.py MODE      # MODE: selective, full, auto
+
+Run by ``tests/test_compile_cache.py`` as two fresh processes sharing ``TORCHINDUCTOR_CACHE_DIR``.
+The blocks hold a BatchNorm, so every mode's checkpoint gets a context_fn (the policy's, or the
+BatchNorm fix's): what the FX graph cache has to pickle to key the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch import nn
+from torch._dynamo.utils import counters  # private: the test's only window on the cache
+
+from ckpt_plugin import apply_checkpointing
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def main(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(8, 16)
+    keys = {"selective": dict(mode="selective", policy="matmuls"), "full": dict(mode="full"),
+            "auto": dict(mode="auto", budget=0.7)}[mode]
+    if mode == "auto":
+        model.example_input_array = x
+    apply_checkpointing(model, layers="Block", **keys)
+    torch.compile(model)(x).sum().backward()
+    print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd")}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
