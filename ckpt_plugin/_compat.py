@@ -437,3 +437,28 @@ def compiler_backend(name: str) -> Any:
     from torch._dynamo.backends.registry import lookup_backend  # private
 
     return lookup_backend(name)
+
+
+# -- for ckpt.compile's compiled calls (engine/regional.py) --
+
+def compile_failures() -> tuple[type[BaseException], ...]:
+    """What ``torch.compile(fn, fullgraph=True)`` raises when ``fn`` does not compile as one graph:
+    dynamo's ``Unsupported`` (a graph break) and ``FailOnRecompileLimitHit`` (one graph past
+    ``recompile_limit``). Private module ``torch._dynamo.exc``, no public names for them."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit, Unsupported  # private
+
+    return (Unsupported, FailOnRecompileLimitHit)
+
+
+def recompile_limit_hit(err: BaseException) -> bool:
+    """Whether ``err`` (one of :func:`compile_failures`) is the recompile limit, not a graph break."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit  # private
+
+    return isinstance(err, FailOnRecompileLimitHit)
+
+
+def recompile_limit() -> int:
+    """``torch._dynamo.config.recompile_limit``: how many graphs dynamo keeps per code object (private config)."""
+    import torch._dynamo  # private
+
+    return torch._dynamo.config.recompile_limit

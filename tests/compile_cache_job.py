@@ -38,7 +38,7 @@ def main(mode: str) -> None:
         model.example_input_array = x
     apply_checkpointing(model, layers="Block", **keys)
     torch.compile(model)(x).sum().backward()
-    print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd")}))
+    print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd", "graph_break")}))
 
 
 if __name__ == "__main__":

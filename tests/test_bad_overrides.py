@@ -160,10 +160,10 @@ CASES = [
     # keys, mode and target
     case("+ckpt.layer=TransformerBlock", "ckpt.layer", "ckpt.layer",
          "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; valid keys: layers, every_n, "
-         "preserve_rng_state, check_recompute, segments, offload, deepspeed"),
+         "preserve_rng_state, check_recompute, segments, offload, deepspeed, compile"),
     case("+ckpt.budget=0.5", "ckpt.budget", "ckpt.budget",
          "unknown key ckpt.budget for ckpt mode 'full'; valid keys: layers, every_n, preserve_rng_state, "
-         "check_recompute, segments, offload, deepspeed"),
+         "check_recompute, segments, offload, deepspeed, compile"),
     case("ckpt.mode=fulll", "ckpt.mode", "'fulll'",
          "ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'offload', 'auto', 'selective', 'none'"),
     case("ckpt.mode=null", "ckpt.mode", "None",
@@ -224,14 +224,14 @@ CASES = [
     case("ckpt=auto  ckpt.budget=0.5  ckpt.preserve_rng_state=2", "ckpt.preserve_rng_state", "2",
          "ckpt.preserve_rng_state=2 (int) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  +ckpt.segments=2", "ckpt.segments", "ckpt.segments",
-         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, budget, preserve_rng_state"),
+         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, budget, preserve_rng_state, compile"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.layers=TransformerBlok", "ckpt.layers", "'TransformerBlok'",
          "ckpt.layers: no module of class 'TransformerBlok' in GPT and none named 'TransformerBlok'; ..."),
     # ckpt=offload
     case("ckpt=offload  ckpt.every_n=0", "ckpt.every_n", "0",
          "ckpt.every_n=0 must be >= 1: 1 wraps every matched layer, 2 every second one, ..."),
     case("ckpt=offload  +ckpt.preserve_rng_state=false", "ckpt.preserve_rng_state", "ckpt.preserve_rng_state",
-         "unknown key ckpt.preserve_rng_state for ckpt mode 'offload'; valid keys: layers, every_n"),
+         "unknown key ckpt.preserve_rng_state for ckpt mode 'offload'; valid keys: layers, every_n, compile"),
     # ckpt=deepspeed
     case("ckpt=deepspeed", "ckpt.deepspeed", "'auto'",
          "ckpt.deepspeed is set (ckpt=deepspeed: DeepSpeed's own checkpoint) but trainer.strategy is 'auto', not a "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -560,3 +561,23 @@ def test_user_module_leaves_lookalikes_alone() -> None:
     no_original = _FabricModule(_mlp(), _mlp())
     del no_original._original_module
     assert _compat.user_module(no_original) is no_original
+
+
+def test_compile_failures_are_what_fullgraph_compile_raises() -> None:
+    def branchy(x: torch.Tensor) -> torch.Tensor:
+        return x if x.sum() > 0 else -x
+
+    with pytest.raises(_compat.compile_failures()) as info:
+        torch.compile(branchy, backend="eager", fullgraph=True)(torch.ones(2))
+    assert not _compat.recompile_limit_hit(info.value)
+    double = torch.compile(lambda x: x * 2, backend="eager", fullgraph=True, recompile_limit=1)
+    double(torch.ones(1))
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.raises(_compat.compile_failures()) as info:
+        double(torch.ones(2))
+    assert _compat.recompile_limit_hit(info.value)
+    torch._dynamo.reset()
+
+
+def test_recompile_limit_follows_torch_setting() -> None:
+    with torch._dynamo.config.patch(recompile_limit=3):
+        assert _compat.recompile_limit() == 3

@@ -28,14 +28,15 @@ def _run(mode: str, cache: Path, cwd: Path) -> tuple[dict, str]:
 
 
 def test_a_second_process_hits_the_fx_graph_cache(tmp_path: Path) -> None:
-    # selective: the policy's context_fn; full: the BatchNorm fix's (the blocks hold a BatchNorm).
-    # ckpt=auto installs the same two. Each mode's pair of processes runs beside the other's.
-    modes = ["selective", "full"]
+    # selective over blocks holding a BatchNorm: a context_fn with the policy and the BatchNorm fix,
+    # all that full, offload and auto's layers install too.
+    modes = ["selective"]
     with ThreadPoolExecutor(len(modes)) as pool:
         first = dict(zip(modes, pool.map(lambda m: _run(m, tmp_path / m, tmp_path), modes)))
         second = dict(zip(modes, pool.map(lambda m: _run(m, tmp_path / m, tmp_path), modes)))
     for mode in modes:
         (before, before_log), (after, after_log) = first[mode], second[mode]
+        assert before["graph_break"] == {}, mode  # the checkpoint compiled as one region, not run eagerly
         assert before["inductor"].get("fxgraph_cache_miss", 0) >= 2, mode  # forward and backward compiled ...
         assert before["inductor"].get("fxgraph_cache_hit", 0) == 0, mode
         assert after["inductor"].get("fxgraph_cache_hit", 0) == before["inductor"]["fxgraph_cache_miss"], mode

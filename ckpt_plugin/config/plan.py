@@ -33,6 +33,7 @@ from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
 from ckpt_plugin.engine.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
 from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.regional import backend_of
 from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install, policy_of
@@ -87,10 +88,17 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
             summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
                         f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
+        backend = backend_of(config.compile)
+        if backend is not None and plan.names:
+            plan = replace(plan, groups=tuple(replace(g, compile=backend) for g in plan.groups))
+            summary += (f"\nckpt.compile: the {len(plan.names)} layer(s) this plan wraps run compiled ({backend}), "
+                        "the kept ones eagerly; the plan's peak and times were measured uncompiled")
         return replace(plan, summary="\n".join(filter(None, [note, summary])), note=note)
     segments = getattr(config, "segments", None)
     if segments is None:
-        return WrapPlan((EachLayer(tuple(names), treatment_of(config)),), summary=note, note=note)
+        backend = backend_of(config.compile)
+        summary = "\n".join(filter(None, [note, _compiled_line(config, backend, len(names))]))
+        return WrapPlan((EachLayer(tuple(names), treatment_of(config), compile=backend),), summary=summary, note=note)
     if config.every_n != 1:
         raise_problems([Problem(
             "ckpt.segments",
@@ -103,6 +111,14 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     if forward is not None:
         raise_problems(chain_problems(model, names, forward), "ckpt.segments")
     return plan
+
+
+def _compiled_line(config: CkptConfig, backend: str | None, n: int) -> str:
+    """What the plan's summary says of ``ckpt.compile`` ("" when off)."""
+    if backend is None:
+        return ""
+    what = "" if isinstance(config, OffloadConfig) else ", its checkpoint included"
+    return f"ckpt.compile: each of the {n} wrapped layer(s) runs compiled ({backend}){what}; compiled at its first call"
 
 
 def chain_problems(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> list[Problem]:

@@ -130,6 +130,63 @@ def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Proble
     return problems + segment_problems(config.segments) + _check_bool("offload", config.offload)
 
 
+def _compile_problems(config: Any) -> list[Problem]:
+    """``ckpt.compile``: true (inductor), false or a backend name, and not with what has no one call to compile."""
+    value = config.compile
+    if isinstance(value, str):
+        from ckpt_plugin.engine.regional import backends  # imports torch: only when validating
+
+        names = backends()
+        if value not in names:
+            near = ", ".join(repr(b) for b in closest_first(value, names)[:5])
+            return [Problem(
+                "ckpt.compile", f"ckpt.compile={value!r} is not a torch.compile backend",
+                f"give true (inductor), false or a backend name; closest first: {near}, ... "
+                "(torch.compiler.list_backends(exclude_tags=()) lists them all)",
+            )]
+    elif not isinstance(value, bool):
+        return [Problem(
+            "ckpt.compile",
+            f"ckpt.compile={value!r} ({type(value).__name__}) must be true (inductor), false or the name of a "
+            "torch.compile backend",
+        )]
+    if value is False:
+        return []
+    on = f"ckpt.compile={str(value).lower() if value is True else value}"
+    problems = []
+    segments = getattr(config, "segments", None)
+    if segments is not None:
+        problems.append(Problem(
+            "ckpt.compile",
+            f"{on} cannot be combined with ckpt.segments={segments}: a segment is one checkpoint over several "
+            "layers' calls, opened in the first layer's forward pre-hook and closed in the last one's forward "
+            "hook, so there is no one call to compile",
+            "drop ckpt.segments (each layer is then its own compiled checkpoint), or drop ckpt.compile",
+        ))
+    if getattr(config, "deepspeed", None) is not None:
+        problems.append(Problem(
+            "ckpt.compile",
+            f"{on} cannot be combined with ckpt.deepspeed (DeepSpeed's own checkpoint): torch.compile captures "
+            "torch's checkpoint as one region, not DeepSpeed's reentrant autograd Function",
+            "drop ckpt.compile, or drop ckpt.deepspeed (ckpt=full: torch's checkpoint, which compiles)",
+        ))
+    if getattr(config, "check_recompute", False) is True:
+        problems.append(Problem(
+            "ckpt.compile",
+            f"{on} cannot be combined with ckpt.check_recompute=true: compiled, a layer's recomputation is part "
+            "of its compiled backward graph, not a second run of its forward, so there is nothing to check",
+            "drop one of the two",
+        ))
+    if getattr(config, "policy", None) == "names":
+        problems.append(Problem(
+            "ckpt.compile",
+            f"{on} cannot be combined with ckpt.policy=names: checkpoint_name tags are emitted only in the "
+            "plugin's eager selective modes, which torch.compile replaces by torch's, so no tag would be saved",
+            "use ckpt.policy=matmuls or a list of aten ops (these compile), or drop ckpt.compile",
+        ))
+    return problems
+
+
 @dataclass(kw_only=True)
 class FullConfig(LayerSelection):
     """``ckpt=full``: non-reentrant ``torch.utils.checkpoint`` around each selected module."""
@@ -148,9 +205,12 @@ class FullConfig(LayerSelection):
     # of partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
     # synchronize_checkpoint_boundary, profile.
     deepspeed: Any = None
+    # Run each selected layer compiled, its checkpoint included (regional compilation, torchtitan's
+    # per-block compile): true (inductor), false, or a torch.compile backend's name (aot_eager).
+    compile: Any = False
 
     def __post_init__(self) -> None:
-        raise_problems(_checkpointing_problems(self) + self._deepspeed_problems())
+        raise_problems(_checkpointing_problems(self) + self._deepspeed_problems() + _compile_problems(self))
 
     def _deepspeed_problems(self) -> list[Problem]:
         try:
@@ -191,6 +251,7 @@ class SelectiveConfig(LayerSelection):
     check_recompute: bool = False
     segments: Any = None
     offload: bool = False
+    compile: Any = False
 
     def __post_init__(self) -> None:
         from ckpt_plugin.engine.policies import make_policy
@@ -200,7 +261,7 @@ class SelectiveConfig(LayerSelection):
             make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
         except ConfigError as err:
             problems += err.problems
-        raise_problems(problems)
+        raise_problems(problems + _compile_problems(self))
 
 
 @dataclass(kw_only=True)
@@ -208,9 +269,11 @@ class OffloadConfig(LayerSelection):
     """``ckpt=offload``: no recompute; what the selected layers save lives in CPU memory."""
 
     mode: str = "offload"
+    # Run each selected layer compiled (no checkpoint to compile here: the layer alone).
+    compile: Any = False
 
     def __post_init__(self) -> None:
-        raise_problems(self._problems())
+        raise_problems(self._problems() + _compile_problems(self))
 
 
 @dataclass(kw_only=True)
@@ -221,6 +284,8 @@ class AutoConfig(LayerSelection):
     # A fraction of the activation peak without checkpointing (0.4) or a size (2GiB). Required.
     budget: Any = None
     preserve_rng_state: bool = True
+    # Run each layer the plan checkpoints compiled, its checkpoint included (the plan is measured uncompiled).
+    compile: Any = False
 
     def __post_init__(self) -> None:
         from ckpt_plugin.planning.budget import parse_budget
@@ -230,7 +295,7 @@ class AutoConfig(LayerSelection):
             parse_budget(self.budget)
         except ConfigError as err:
             problems += err.problems
-        raise_problems(problems)
+        raise_problems(problems + _compile_problems(self))
 
 
 @dataclass(kw_only=True)
@@ -254,6 +319,7 @@ class NoneConfig:
     exclude_names: Any = None
     budget: Any = None
     deepspeed: Any = None
+    compile: Any = False
 
 
 MODES: dict[str, type] = {

@@ -16,10 +16,15 @@ from ckpt_plugin.engine.treatment import Treatment
 
 @dataclass(frozen=True)
 class EachLayer:
-    """Every module named runs its own forward under ``treatment`` (one checkpoint per call)."""
+    """Every module named runs its own forward under ``treatment`` (one checkpoint per call).
+
+    ``compile``: the ``torch.compile`` backend each call runs compiled with, checkpoint
+    included (``ckpt.compile``, ``regional.py``); None: eager.
+    """
 
     names: tuple[str, ...]
     treatment: Treatment
+    compile: str | None = None
 
 
 @dataclass(frozen=True)

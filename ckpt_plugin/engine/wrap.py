@@ -36,11 +36,15 @@ also names the module (``recompute_check.py``), at a Python hook per saved tenso
 Under ``torch.compile``: apply, then compile, or compile, then apply. The
 compiled code runs whatever ``forward`` each module has when it is traced,
 and dynamo guards on it, so applying or removing after a compiled run
-recompiles (``tests/test_compile.py``).
+recompiles (``tests/test_compile.py``). With ``ckpt.compile`` (a plan's
+``EachLayer.compile``) the checkpointed call of each layer is itself compiled
+(``regional.py``), from the same instance-level ``forward``: removing it removes
+the compiled call with it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
@@ -53,6 +57,7 @@ from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
 from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of
 from ckpt_plugin.engine.chain_check import check_chain
 from ckpt_plugin.engine.plan import Segments, WrapPlan
+from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
 from ckpt_plugin.engine.sequential import schedule
@@ -69,19 +74,22 @@ class CheckpointedForward:
     with it (``recompute_check.py``). Unchecked, a module without a selective
     policy or BatchNorm statistics runs plain ``checkpoint(fn, *args, use_reentrant=False)``.
     ``side_effects`` is shared by the modules of one installation (a fresh one when not given).
+    ``compiled``: the compiled calls the module's call goes through (``ckpt.compile``,
+    ``regional.py``), shared by the modules of one treatment; None: eager.
     """
 
-    __slots__ = ("inner", "previous", "treatment", "name", "module", "label", "side_effects",
+    __slots__ = ("inner", "previous", "treatment", "name", "module", "label", "side_effects", "compiled",
                  "_context_fn", "_checked_context_fn", "_stats")
 
     def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None,
-                 side_effects: SideEffects | None = None) -> None:
+                 side_effects: SideEffects | None = None, compiled: CompiledCalls | None = None) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.treatment = treatment
         self.name = name
         self.module = module  # for its training flag (``inner`` holds it already)
         self.side_effects = side_effects or SideEffects()
+        self.compiled = compiled
         self.label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
         self._context_fn = treatment.context_fn(self._stats)  # None: nothing of ours runs in the call
@@ -91,6 +99,8 @@ class CheckpointedForward:
         t = self.treatment
         with t.offloading():  # outside checkpoint: offloads what checkpointing still keeps
             if not t.checkpointing:
+                if self.compiled is not None:
+                    return self.compiled.uncheckpointed(self.inner, args, kwargs, self.label)
                 return self.inner(*args, **kwargs)
             prepared = self.side_effects.prepare(self.module, self.inner, args, kwargs)
             if prepared is None:
@@ -105,6 +115,8 @@ class CheckpointedForward:
         t = self.treatment
         if t.checkpoint_fn is not None:  # another checkpoint implementation (DeepSpeed's)
             return t.checkpoint_fn(self.inner, self._stats, *args, **kwargs)
+        if self.compiled is not None:  # ckpt.compile: the checkpointed call runs compiled
+            return self.compiled.checkpointed(self.inner, args, kwargs, self.label)
         # kwargs travel in a partial so that a forward argument can never
         # collide with checkpoint's own keywords (``context_fn``, ...).
         fn = functools.partial(self.inner, **kwargs) if kwargs else self.inner
@@ -185,14 +197,23 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
     modules = dict(model.named_modules())
     remove_checkpointing(model)
     side_effects = SideEffects()  # this installation's: it warns about a KV cache once
+    compiled: dict[tuple[str, int], CompiledCalls] = {}  # one per backend and treatment (ckpt=auto: many groups)
+    counts = collections.Counter((g.compile, id(g.treatment)) for g in plan.groups if not isinstance(g, Segments)
+                                 for _ in g.names)  # layers per compiled calls: their recompile limit
     for group in plan.groups:
         if isinstance(group, Segments):
             layers = [modules[n] for n in group.names]
             ChainCheckpoint(list(group.names), layers, group.segments, group.treatment, side_effects)
         else:
+            calls = None
+            if group.compile is not None:
+                key = (group.compile, id(group.treatment))
+                if key not in compiled:
+                    compiled[key] = CompiledCalls(group.compile, group.treatment, counts[key])
+                calls = compiled[key]
             for name in group.names:
                 modules[name].__dict__["forward"] = CheckpointedForward(
-                    modules[name], group.treatment, name, side_effects)
+                    modules[name], group.treatment, name, side_effects, calls)
     if any(g.treatment.checkpointing for g in plan.groups):
         turn_cache_off_above(model, plan.names, side_effects)  # a Hugging Face model above: use_cache=False
     return plan.names
@@ -216,3 +237,29 @@ def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
         finally:
             for m, wrapper in wrappers.items():
                 m.__dict__["forward"] = wrapper
+
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    """Qualified names of the wrapped modules of ``model`` whose calls run compiled (``ckpt.compile``)."""
+    model = user_module(model)
+    return [n for n, m in model.named_modules()
+            if isinstance(w := m.__dict__.get("forward"), CheckpointedForward) and w.compiled is not None]
+
+
+@contextlib.contextmanager
+def compiling_paused(model: nn.Module) -> Iterator[None]:
+    """Run the wrapped modules of ``model`` eagerly (checkpointed, not compiled), then compiled again.
+
+    For measuring on fake tensors (``measure/report.py``): a compile there would trace
+    fake tensors, a graph real tensors can never use, and count against the recompile limit.
+    """
+    wrappers = [w for m in model.modules()
+                if isinstance(w := m.__dict__.get("forward"), CheckpointedForward) and w.compiled is not None]
+    calls = [w.compiled for w in wrappers]
+    for w in wrappers:
+        w.compiled = None
+    try:
+        yield
+    finally:
+        for w, c in zip(wrappers, calls, strict=True):
+            w.compiled = c

@@ -83,6 +83,9 @@ class ActivationCheckpointing(pl.Callback):
         deepspeed: full: DeepSpeed's own checkpoint, under a DeepSpeed strategy, with these options
             (partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
             synchronize_checkpoint_boundary, profile) (unset: torch's checkpoint).
+        compile: Run each wrapped layer compiled, its checkpoint included (regional compilation): true (inductor),
+            false, or the name of a torch.compile backend (aot_eager) (unset: false). Not with segments, deepspeed,
+            check_recompute or policy names.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class ActivationCheckpointing(pl.Callback):
         exclude_names: str | list[str] | None = None,
         budget: int | float | str | None = None,
         deepspeed: dict[str, Any] | None = None,
+        compile: bool | str | None = None,  # noqa: A002 -- the key's name in the ckpt node
         **misspelt: Any,
     ) -> None:
         super().__init__()
@@ -107,6 +111,7 @@ class ActivationCheckpointing(pl.Callback):
             "layers": layers, "every_n": every_n, "preserve_rng_state": preserve_rng_state,
             "check_recompute": check_recompute, "segments": segments, "offload": offload, "policy": policy,
             "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "deepspeed": deepspeed,
+            "compile": compile,
         }
         # None is "the mode's default": left out, so a key the mode lacks is an error only when it is given
         # (Hydra's instantiate hands over every key of the mode's node, its nulls included). Any other
@@ -132,6 +137,7 @@ class ActivationCheckpointing(pl.Callback):
         saved = state_dict.get("config")
         if not isinstance(saved, dict):  # a record without the keys: nothing to compare
             return
+        saved = {"compile": False, **saved}  # a record from before ckpt.compile existed: it ran uncompiled
         changes = _changes(saved, _plain(as_keys(self.config)))
         if changes:
             rank_zero_warn(

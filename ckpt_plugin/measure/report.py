@@ -11,7 +11,7 @@ from torch import nn
 from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes
 from ckpt_plugin.measure.units import format_bytes
-from ckpt_plugin.engine.wrap import checkpointing_disabled
+from ckpt_plugin.engine.wrap import checkpointing_disabled, compiled_modules, compiling_paused
 
 
 @dataclass
@@ -19,6 +19,7 @@ class WrapReport:
     """Saved-activation bytes of one forward without and with checkpointing.
 
     ``note`` is the plan's (``WrapPlan.note``): what ``ckpt.layers=auto`` chose, shown first.
+    ``compiled``: the wrapped modules run compiled (``ckpt.compile``); their bytes are counted as they run eagerly.
     """
 
     model: str
@@ -27,6 +28,7 @@ class WrapReport:
     without: SavedBytes
     with_ckpt: SavedBytes
     note: str = ""
+    compiled: bool = False
 
     def __str__(self) -> str:
         rows = [(n, self.classes[n]) for n in self.wrapped] + [(REST, "")]
@@ -46,6 +48,9 @@ class WrapReport:
         before, after = self.without.total, self.with_ckpt.total
         ratio = f"  ({after / before:.0%} of without)" if before else ""
         lines.append(f"  {'total':<{w}}  {'':<{c}}  {format_bytes(before):>10}  {format_bytes(after):>10}{ratio}")
+        if self.compiled:
+            lines.append("  (counted as the layers run uncompiled: compiled (ckpt.compile), torch's partitioner decides "
+                         "what each keeps)")
         return "\n".join(lines)
 
 
@@ -64,7 +69,7 @@ def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]
     modules = dict(model.named_modules())
     with on_fake_tensors(model, "The activation report"), checkpointing_disabled(model):
         without = saved_bytes(model, forward, wrapped)
-    with on_fake_tensors(model, "The activation report"):
+    with on_fake_tensors(model, "The activation report"), compiling_paused(model):  # never compile fake tensors
         with_ckpt = saved_bytes(model, forward, wrapped)
     return WrapReport(
         model=type(model).__name__,
@@ -73,4 +78,5 @@ def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]
         without=without,
         with_ckpt=with_ckpt,
         note=note,
+        compiled=bool(compiled_modules(model)),
     )
