@@ -4,7 +4,8 @@ Each way builds the model afresh and runs two training steps from the same RNG
 state: the first is compared (loss, every gradient, every buffer: bitwise with
 the run without checkpointing), the second measured by ``MemTracker``
 (``step_memory``; the first builds what a model builds lazily: rotary tables,
-masks). The activation peak is README's "How we measure": each category's
+masks). The library's own checkpointing is only measured: a no-grad forward
+stands in for its first step. The activation peak is README's "How we measure": each category's
 maximum over the step, recomputation counted as activation.
 """
 
@@ -68,12 +69,16 @@ def _seed(seed: int) -> None:
     np.random.seed(seed)  # Wav2Vec2's and HuBERT's training-time masking (SpecAugment) draws from numpy
 
 
-def _train(entry: ZooModel, model: nn.Module) -> Run:
+def _train(entry: ZooModel, model: nn.Module, compared: bool = True) -> Run:
     _seed(1)
-    loss = entry.step(model).detach()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    model.zero_grad(set_to_none=True)
+    if compared:
+        loss = entry.step(model).detach()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        model.zero_grad(set_to_none=True)
+    else:  # a forward alone builds what the model builds lazily; nothing of this run is compared
+        with torch.no_grad():
+            loss, grads, buffers = entry.loss(model(**entry.batch())).detach(), {}, {}
     _seed(2)
     peak = step_memory(lambda: entry.step(model), model)["act"]
     model.zero_grad(set_to_none=True)
@@ -106,7 +111,7 @@ def measure(entry: ZooModel) -> ZooResult:
         if entry.own is not None:
             theirs = entry.build()
             entry.own(theirs)
-            own = _train(entry, theirs)
+            own = _train(entry, theirs, compared=False)
     return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours))
 
 
