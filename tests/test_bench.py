@@ -23,7 +23,8 @@ def run_bench(cwd: Path, modes: list[str]) -> tuple[list[str], Path]:
     """``python -m ckpt_tools.bench --quick --out tmp --modes ...`` in ``cwd``; returns its argv and out dir."""
     # The compiled comparison compiles twice (minutes): tests/test_compiled_budget.py covers it.
     # One timing round: the suite asserts bytes, FLOPs and the files, never a timing.
-    args = ["--quick", "--repeats", "1", "--out", "tmp", "--modes", ",".join(modes), "--skip", "compiled"]
+    args = ["--quick", "--repeats", "1", "--steps", "1", "--min-seconds", "0", "--out", "tmp", "--modes", ",".join(modes),
+            "--skip", "compiled"]
     cmd = ["-m", "ckpt_tools.bench", *args]
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
     proc = warm_python.run(cmd, env=env, cwd=cwd, timeout=300)
