@@ -24,6 +24,7 @@ from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
 from ckpt_plugin.engine.wrap import CheckpointedForward
+from ckpt_plugin.planning.budget import parse_budget
 from conftest import FAST, GROUP_DIRS, RECIPE, TINY_GPT, run_recipe, small_gpt
 
 GPT_CLASSES = {
@@ -436,8 +437,11 @@ def test_cli_unreachable_budget(cli):
     assert re.fullmatch(
         r"ckpt\.budget: 1000 bytes \(1000 B, 0\.00 of the activation peak without checkpointing, [\d.]+ MiB\) cannot "
         r"be met by checkpointing ckpt\.layers: the smallest peak reachable is \d+ bytes \([\d.]+ KiB, 0\.\d+\); "
-        r"raise ckpt\.budget to at least 0\.\d+ or \d+ bytes, or select more layers", message), message
+        r"raise ckpt\.budget to at least 0\.\d+ or \d+B, or select more layers", message), message
     assert "train_loss" not in cli["unreachable-budget"].stdout
+    # the size it suggests can be typed back as it is written (a bare integer under 1 MiB is refused)
+    suggested = re.search(r"or (\d+B), or select", message)[1]
+    assert parse_budget(suggested, typed=True) == parse_budget(int(suggested[:-1]))
 
 
 def test_cli_config_mistakes_that_met_a_traceback(cli):

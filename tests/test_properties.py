@@ -553,7 +553,7 @@ def test_offload_mode_equals_plain_and_removes_exactly(data: st.DataObject, spec
     tally["offload with host copies (copy path on CPU)"] += offload_copies
 
 
-_SMALLEST = re.compile(r"raise ckpt\.budget to at least [0-9.]+ or (\d+) bytes, or select more layers$")
+_SMALLEST = re.compile(r"raise ckpt\.budget to at least [0-9.]+ or (\d+)B, or select more layers$")
 
 
 @examples(40)

@@ -199,7 +199,7 @@ def plan(
             f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
             f"checkpointing ckpt.layers: the smallest peak reachable is {smallest} bytes ({format_bytes(smallest)}, "
             f"{smallest / reference:.2f}); raise ckpt.budget to at least "
-            f"{min(math.ceil(smallest / reference * 100) / 100, 1):g} or {min(smallest, reference)} bytes, "
+            f"{min(math.ceil(smallest / reference * 100) / 100, 1):g} or {min(smallest, reference)}B, "
             "or select more layers"
         )
     cost, chosen = best
