@@ -2,13 +2,15 @@
 
     python tests/compile_cache_job.py MODE      # MODE: selective, full, auto
 
-Run by ``tests/test_compile_cache.py`` as two fresh processes sharing ``TORCHINDUCTOR_CACHE_DIR``.
+Run by ``tests/test_compile_cache.py`` as two fresh processes sharing ``TORCHINDUCTOR_CACHE_DIR``;
+the compiled gradients are checked against the same model run eagerly (float32's tolerance).
 The blocks hold a BatchNorm, so every mode's checkpoint gets a context_fn (the policy's, or the
 BatchNorm fix's): what the FX graph cache has to pickle to key the graph.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -36,8 +38,13 @@ def main(mode: str) -> None:
             "auto": dict(mode="auto", budget=0.7)}[mode]
     if mode == "auto":
         model.example_input_array = x
+    eager = copy.deepcopy(model)
     apply_checkpointing(model, layers="Block", **keys)
+    apply_checkpointing(eager, layers="Block", **keys)
     torch.compile(model)(x).sum().backward()
+    eager(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)  # inductor fuses: float32's tolerance, not bitwise
     print(json.dumps({k: dict(counters[k]) for k in ("inductor", "aot_autograd", "graph_break")}))
 
 
