@@ -48,7 +48,8 @@ HF_MARK = "GradientCheckpointingLayer"  # transformers.modeling_layers: HF's own
 _STACKS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def _has_forward(module: nn.Module) -> bool:
+def has_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward of its own (a ModuleList or ModuleDict has none)."""
     return type(module).forward is not nn.Module.forward
 
 
@@ -56,7 +57,7 @@ def _passes_through(module: nn.Module) -> bool:
     """A container whose calls only run its children in turn (or that is never called)."""
     if isinstance(module, nn.Sequential):
         return type(module).forward is nn.Sequential.forward
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and not _has_forward(module)
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and not has_forward(module)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _units(siblings: list[_Sibling], weighted: int = 1) -> list[int]:
     out = []
     for i, s in enumerate(siblings):
         m = s.module
-        if not _has_forward(m) or next(m.children(), None) is None or _layers_with_weights(m) < weighted:
+        if not has_forward(m) or next(m.children(), None) is None or _layers_with_weights(m) < weighted:
             continue
         same = [j for j, o in enumerate(siblings) if j != i and type(o.module) is type(m)]
         if any(_series(s, siblings[j]) or abs(j - i) == 1 for j in same):
@@ -139,27 +140,30 @@ def _structural_blocks(parent: nn.Module, weighted: int) -> Iterator[nn.Module]:
             yield from _structural_blocks(s.module, weighted)
 
 
-def _lone_blocks(model: nn.Module) -> list[nn.Module]:
-    """Blocks (a forward, two or more weighted layers) held alone in a container: a stack of depth
-    one, or one layer a loop calls again and again (ALBERT shares one layer across its depth);
-    innermost where they nest."""
-    found = [
-        (name, child)
-        for name, container in model.named_modules()
-        if isinstance(container, (nn.ModuleList, nn.Sequential)) and _passes_through(container)
-        for child_name, child in container.named_children()
-        if _has_forward(child) and _layers_with_weights(child) >= 2
-        for name in [f"{name}.{child_name}" if name else child_name]
-    ]
+def _innermost(found: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules of ``found`` (qualified name, module) that hold none of the others."""
     names = [n for n, _ in found]
     return [m for n, m in found if not any(o.startswith(n + ".") for o in names)]
 
 
-def _marked(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def _lone_blocks(model: nn.Module) -> list[nn.Module]:
+    """Blocks (a forward, two or more weighted layers) held alone in a container: a stack of depth
+    one, or one layer a loop calls again and again (ALBERT shares one layer across its depth);
+    innermost where they nest."""
+    modules = dict(model.named_modules())
+
+    def in_a_stack(name: str) -> bool:
+        parent = modules[name.rpartition(".")[0]]
+        return isinstance(parent, (nn.ModuleList, nn.Sequential)) and _passes_through(parent)
+
+    return _innermost([(n, m) for n, m in modules.items()
+                       if n and in_a_stack(n) and has_forward(m) and _layers_with_weights(m) >= 2])
+
+
+def _marked(model: nn.Module) -> list[nn.Module]:
     """The modules the model's library marks as its checkpointing units, innermost where they nest."""
-    marked = [(n, m) for n, m in model.named_modules() if n and any(c.__name__ == HF_MARK for c in type(m).__mro__)]
-    names = [n for n, _ in marked]
-    return [(n, m) for n, m in marked if not any(o.startswith(n + ".") for o in names)]
+    return _innermost([(n, m) for n, m in model.named_modules()
+                       if n and any(c.__name__ == HF_MARK for c in type(m).__mro__)])
 
 
 def _declared_no_split(model: nn.Module) -> list[str]:
@@ -184,7 +188,7 @@ def find_blocks(model: nn.Module) -> tuple[tuple[str, ...], str] | Problem:
     ``"HF _no_split_modules"``), or the Problem saying nothing repeats."""
     marked = _marked(model)
     if marked:
-        return _classes([m for _, m in marked]), f"HF {HF_MARK}"
+        return _classes(marked), f"HF {HF_MARK}"
     blocks = list(_structural_blocks(model, weighted=2))
     if blocks:
         return _classes(blocks), "repeated blocks"
@@ -210,4 +214,4 @@ def find_blocks(model: nn.Module) -> tuple[tuple[str, ...], str] | Problem:
     )
 
 
-__all__ = ["HF_MARK", "find_blocks"]
+__all__ = ["HF_MARK", "find_blocks", "has_forward"]

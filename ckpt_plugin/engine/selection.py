@@ -37,7 +37,7 @@ from typing import ClassVar
 from torch import nn
 
 from ckpt_plugin._compat import user_module
-from ckpt_plugin.engine.blocks import find_blocks
+from ckpt_plugin.engine.blocks import find_blocks, has_forward
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 _SHOWN = 12  # how many existing names an error lists before "..."
@@ -249,7 +249,7 @@ def select_layers(model: nn.Module, layers: str | Sequence[str], every_n: int = 
     for sel in selectors:
         hits = {n for n, m in named if sel.matches(n, m)}
         # A container without a forward (ModuleList, ModuleDict) is never called: not a candidate.
-        called = {n for n in hits if _has_forward(modules[n])}
+        called = {n for n in hits if has_forward(modules[n])}
         if not hits:
             problems.append(sel.nothing_matched(model, names))
         elif not called:  # "blocks", the ModuleList: wrapping it would checkpoint nothing
@@ -266,10 +266,6 @@ def select_layers(model: nn.Module, layers: str | Sequence[str], every_n: int = 
             f"use a value from 1 to {len(outermost)}",
         )])
     return kept
-
-
-def _has_forward(module: nn.Module) -> bool:
-    return type(module).forward is not nn.Module.forward
 
 
 def _never_called(text: str, hits: list[str], modules: dict[str, nn.Module]) -> Problem:
