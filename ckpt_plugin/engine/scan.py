@@ -1,9 +1,10 @@
-"""A recurrence whose backward keeps one carry per window, not one per step.
+"""A recurrence whose backward keeps a few carries, not one per step.
 
-The PyTorch counterpart of Theano's ``scan_checkpoints``: run
-``carry = fn(carry, *non_sequences)`` for ``n_steps`` steps, keep for backward
-only the carry that enters each window of ``save_every_n`` steps, and recompute
-the steps inside a window when backward reaches it::
+Two forms. The PyTorch counterpart of Theano's ``scan_checkpoints``: run
+``carry = fn(carry, *non_sequences)`` for ``n_steps`` steps, return every
+carry, keep for backward only the carry that enters each window of
+``save_every_n`` steps, and recompute the steps inside a window when backward
+reaches it::
 
     import torch
     from ckpt_plugin.engine.scan import checkpoint_scan
@@ -19,7 +20,16 @@ the steps inside a window when backward reaches it::
     hs.shape             # (1024, 4, 16): every step's carry, hs[-1] is the last
     hs[-1].sum().backward()  # W.grad and b.grad as from a plain Python loop
 
-What is alive, in carries (one carry = ``init``'s bytes):
+And the last carry only (an RNN's final state, an ODE solve, a simulator),
+with Griewank's binomial checkpointing ("revolve", :mod:`.revolve`): at most
+``snapshots`` carries kept at any time, ``init`` included, and the fewest
+recomputed steps any schedule keeping that many can have::
+
+    h = checkpoint_scan(cell, h0, 1024, snapshots=8, outputs="last", non_sequences=(W, b))
+    h.shape              # (4, 16): the carry after step 1024
+    h.sum().backward()   # the plain loop's gradients, bit for bit
+
+What is alive with ``save_every_n``, in carries (one carry = ``init``'s bytes):
 
 * kept for backward: the input carry of every window, ``ceil(n_steps /
   save_every_n)`` of them (the first is ``init`` itself), and whatever ``fn``
@@ -45,17 +55,50 @@ number of steps, the last window is simply shorter when it does not; and a
 ``save_every_n`` of ``n_steps`` or more is one window (the whole loop is
 checkpointed as a single piece), as Theano's ``ceil(n_steps / save_every_N)``
 outer steps also make it.
+
+What is alive with ``snapshots=k, outputs="last"``, in carries:
+
+* between forward and backward: ``init`` and the ``min(k, n_steps) - 1``
+  snapshots the forward took, each with the RNG state it was taken at when
+  ``preserve_rng_state`` (5 KB on CPU, which MemTracker does not see); and the
+  returned carry, an output. Nothing of any step;
+* while a step runs without grad (the forward, or a re-advance in backward):
+  the snapshots, the carry it starts from and ``fn``'s own temporaries;
+* while backward reverses a step: the snapshots (never more than ``k``,
+  ``init`` included), the carry re-advanced to, that step run once with grad
+  (what it saves, its output and its gradients), the gradient coming into it
+  and the running sums of the non-sequences' gradients (one copy of them).
+
+Calls of ``fn``: ``n_steps`` with grad, one per step just before its
+backward, and ``T(n_steps + 1, k)`` without, the forward's ``n_steps``
+included, where ``T(l, s) = t*l - C(s+t, t-1)`` with ``C(s+t-1, s) < l <=
+C(s+t, s)`` is Griewank's minimum (:mod:`.revolve` explains the ``+ 1``):
+``k = 1`` re-advances every step from ``init`` (``n(n+1)/2`` calls without
+grad), ``k >= n_steps`` keeps every carry and re-advances nothing.
+
+For the example above (1024 steps, ``k = 8``, a (4, 16) float32 carry of 256
+bytes) ``fn`` runs 4410 times without grad (4.3 per step) and 1024 times
+with grad, where the window scan with ``save_every_n=32`` runs 2048 times;
+MemTracker measures an activation peak of 10 carries (7 snapshots, the carry
+a step starts from, ``h @ W`` and ``+ b``) against 1025 for the plain loop,
+and a training step that peaks at exactly one step of the plain loop plus 9
+carries plus one copy of ``W``'s and ``b``'s gradients, whatever the number
+of steps (``tests/test_revolve.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ckpt_plugin.engine.scan_reversal import last_carry
+
 __all__ = ["checkpoint_scan"]
+
+OUTPUTS = ("all", "last")  # every carry stacked (windows), or the last one (the binomial schedule)
 
 
 def _is_int(x: Any) -> bool:
@@ -64,9 +107,22 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_arguments(
-    fn: Any, init: Any, n_steps: Any, save_every_n: Any, non_sequences: Any, preserve_rng_state: Any
+    fn: Any,
+    init: Any,
+    n_steps: Any,
+    save_every_n: Any,
+    snapshots: Any,
+    outputs: Any,
+    non_sequences: Any,
+    preserve_rng_state: Any,
 ) -> None:
-    """Collect every problem with the arguments and raise them together."""
+    """Collect every problem with the arguments and raise them together.
+
+    ``outputs="all"`` takes ``save_every_n`` and no ``snapshots``;
+    ``outputs="last"`` takes ``snapshots`` and no ``save_every_n`` (the
+    binomial schedule places its own checkpoints: windows would only be a
+    worse schedule).
+    """
     problems = []
     if not callable(fn):
         problems.append(
@@ -79,12 +135,44 @@ def _check_arguments(
         )
     if not _is_int(n_steps) or n_steps < 1:
         problems.append(f"n_steps={n_steps!r} must be an int >= 1, the number of times fn is applied")
-    if not _is_int(save_every_n) or save_every_n < 1:
+    if not isinstance(outputs, str) or outputs not in OUTPUTS:
         problems.append(
-            f"save_every_n={save_every_n!r} must be an int >= 1: the number of steps per checkpointed "
-            "window (1 keeps every carry, n_steps or more checkpoints the whole loop as one window, "
-            "about sqrt(n_steps) keeps the least)"
+            f"outputs={outputs!r} must be 'all' (every carry stacked, with save_every_n) "
+            "or 'last' (the last carry only, with snapshots)"
         )
+    elif outputs == "all":
+        if snapshots is not None:
+            problems.append(
+                f"snapshots={snapshots!r} is for outputs='last' (the last carry only, Griewank's binomial "
+                "schedule); with outputs='all' every carry is returned and save_every_n sets the windows"
+            )
+        if save_every_n is None:
+            problems.append(
+                "save_every_n is needed with outputs='all' (the default): an int >= 1, the number of steps "
+                "per checkpointed window; or pass outputs='last' and snapshots=k for the last carry only"
+            )
+        elif not _is_int(save_every_n) or save_every_n < 1:
+            problems.append(
+                f"save_every_n={save_every_n!r} must be an int >= 1: the number of steps per checkpointed "
+                "window (1 keeps every carry, n_steps or more checkpoints the whole loop as one window, "
+                "about sqrt(n_steps) keeps the least)"
+            )
+    else:
+        if save_every_n is not None:
+            problems.append(
+                f"save_every_n={save_every_n!r} is for outputs='all' (windows of the stacked carries); "
+                "with outputs='last' snapshots=k alone sets the schedule"
+            )
+        if snapshots is None:
+            problems.append(
+                "snapshots is needed with outputs='last': an int >= 1, the most carries kept at once, "
+                "init included"
+            )
+        elif not _is_int(snapshots) or snapshots < 1:
+            problems.append(
+                f"snapshots={snapshots!r} must be an int >= 1: the most carries kept at once, init included "
+                "(1 recomputes every step from init, n_steps or more keeps every carry)"
+            )
     if not isinstance(non_sequences, (tuple, list)):
         hint = ""
         if isinstance(non_sequences, torch.Tensor):
@@ -108,7 +196,12 @@ def _step(
 ) -> torch.Tensor:
     """One application of ``fn``, checked: a carry that changes shape, dtype or device cannot be stacked."""
     out = fn(carry, *non_sequences)
-    if isinstance(out, torch.Tensor) and _describe(out) == _describe(carry):
+    if (
+        isinstance(out, torch.Tensor)
+        and out.shape == carry.shape
+        and out.dtype == carry.dtype
+        and out.device == carry.device
+    ):
         return out
     got = _describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
     raise ValueError(
@@ -166,31 +259,47 @@ def checkpoint_scan(
     init: torch.Tensor,
     n_steps: int,
     *,
-    save_every_n: int,
+    save_every_n: int | None = None,
+    snapshots: int | None = None,
+    outputs: Literal["all", "last"] = "all",
     non_sequences: tuple[Any, ...] | list[Any] = (),
     preserve_rng_state: bool = True,
 ) -> torch.Tensor:
-    """Apply ``carry = fn(carry, *non_sequences)`` ``n_steps`` times; return every carry stacked.
+    """Apply ``carry = fn(carry, *non_sequences)`` ``n_steps`` times; return every carry stacked, or the last.
 
-    Returns a tensor of shape ``(n_steps, *init.shape)`` whose ``[t]`` is the
-    carry after step ``t + 1`` (``[-1]`` is the last one), equal bit for bit to
-    a plain Python loop, and with the same gradients for ``init`` and for the
-    tensors in ``non_sequences`` (weights: they are passed to each window as
-    inputs, so they get gradients like in the loop).
-
-    The steps run in windows of ``save_every_n`` (the last window is shorter
-    when it does not divide ``n_steps``), each under non-reentrant
+    With ``outputs="all"`` (the default) and ``save_every_n``: returns a
+    tensor of shape ``(n_steps, *init.shape)`` whose ``[t]`` is the carry
+    after step ``t + 1`` (``[-1]`` is the last one). The steps run in windows
+    of ``save_every_n`` (the last window is shorter when it does not divide
+    ``n_steps``), each under non-reentrant
     ``torch.utils.checkpoint.checkpoint``: backward keeps only each window's
-    input carry and recomputes the window's steps when it needs them. See the
-    module docstring for exactly what stays alive.
+    input carry and recomputes the window's steps when it needs them.
 
-    ``preserve_rng_state`` replays the RNG state of each window during its
-    recomputation, so random ops in ``fn`` (dropout) draw the same numbers and
-    the gradients match the plain loop; turn it off only for an ``fn`` without
-    randomness, to save the state snapshots.
+    With ``outputs="last"`` and ``snapshots=k``: returns the carry after the
+    last step, shaped like ``init``. The forward runs every step without grad
+    and keeps the carries Griewank's binomial schedule asks for
+    (:func:`.revolve.schedule`); backward reverses the steps from the last,
+    each restored from the nearest snapshot, re-advanced without grad, run
+    once with grad and backpropagated. At most ``k`` carries are kept at any
+    time, ``init`` included, and ``fn`` is called ``n_steps + T(n_steps + 1,
+    k)`` times, the fewest any such schedule can do; ``save_every_n`` has no
+    place there (nor ``snapshots`` with ``outputs="all"``).
+
+    Either way the result equals a plain Python loop bit for bit, and so do
+    the gradients for ``init``, for the tensors in ``non_sequences`` (weights:
+    they are inputs of each window, or of the reversal's node) and for the
+    tensors ``fn`` closes over (a module's parameters). See the module
+    docstring for exactly what stays alive.
+
+    ``preserve_rng_state`` replays the RNG state of each window, or of each
+    snapshot, during its recomputation, so random ops in ``fn`` (dropout) draw
+    the same numbers and the gradients match the plain loop; turn it off only
+    for an ``fn`` without randomness, to save the state snapshots.
     """
-    _check_arguments(fn, init, n_steps, save_every_n, non_sequences, preserve_rng_state)
+    _check_arguments(fn, init, n_steps, save_every_n, snapshots, outputs, non_sequences, preserve_rng_state)
     non_sequences = tuple(non_sequences)
+    if outputs == "last":
+        return last_carry(fn, _step, init, n_steps, snapshots, non_sequences, preserve_rng_state)
 
     out = init.new_empty((n_steps, *init.shape))  # (n_steps, *init.shape)
     if not torch.is_grad_enabled():
