@@ -257,6 +257,29 @@ def user_module(model: Any) -> Any:
     return model
 
 
+def compiled_by_user(model: Any, names: list[str]) -> bool:
+    """Whether the step runs the layers ``names`` (of ``user_module(model)``) compiled by the user's own
+    ``torch.compile``: ``model`` or a wrapper in it is compiled, Lightning compiled the LightningModule
+    (``trainer.fit(torch.compile(model))`` keeps the compile in ``_compiler_ctx``, private to
+    Lightning), or a layer or one of its parents was compiled in place (``Module.compile()`` sets the
+    private ``_compiled_call_impl``) or replaced by a compiled module."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # not imported: nothing was compiled
+        return False
+    while model is not None:
+        if isinstance(model, eval_frame.OptimizedModule) or getattr(model, "_compiler_ctx", None) is not None:
+            return True
+        root, model = model, _inner(model)
+    modules = dict(root.named_modules())
+    for name in names:
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            module = modules.get(".".join(parts[:depth]))
+            if isinstance(module, eval_frame.OptimizedModule) or getattr(module, "_compiled_call_impl", None):
+                return True
+    return False
+
+
 def uncompiled(model: Any) -> Any:
     """Former name of :func:`user_module` (which also looks through DDP, FSDP and Fabric)."""
     return user_module(model)

@@ -54,7 +54,8 @@ from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.measure.memory import step_flops, step_memory
-from ckpt_tools.compiled import measure_compiled_budget
+from ckpt_plugin.planning.rotor import describe
+from ckpt_tools.compiled import PLUGIN_ROWS, measure_compiled_budget
 from ckpt_tools.overhead import measure_overhead
 from ckpt_tools.workloads import MODELS, MODES, ModelSpec, Run, build
 
@@ -64,8 +65,9 @@ MiB = 2**20
 EXTRAS = ("overhead", "compiled")
 
 def _is_auto(mode: str) -> bool:
+    """Planned for a budget (ckpt=auto, segments=optimal): a budget it cannot meet is a result, not a crash."""
     keys = MODES[mode]
-    return keys is not None and isinstance(make_config(layers="-", **keys), AutoConfig)
+    return keys is not None and (isinstance(make_config(layers="-", **keys), AutoConfig) or "budget" in keys)
 
 
 def measure_model(
@@ -100,11 +102,11 @@ def measure_model(
         runs[mode] = run
         rows[mode] = {"peak_bytes": mem["total"], "act_peak_bytes": mem["act"], "flops": flops,
                       "wrapped": run.wrapped, "notes": notes}
-        if run.planned is not None:  # ckpt=auto: what the planner predicted, and what planning cost
+        if run.planned is not None:  # auto, optimal: what the planner predicted, and what planning cost
             rows[mode] |= {"predicted_peak_bytes": run.planned.predicted_peak,
-                           "predicted_time_ratio": run.planned.predicted_time_ratio,
+                           "predicted_time_ratio": getattr(run.planned, "predicted_time_ratio", None),
                            "profile_peak_bytes": run.planning_peak_bytes,
-                           "choices": run.planned.choices}
+                           "choices": getattr(run.planned, "choices", None) or describe(run.planned.schedule)}
         bar.update(1)
     seconds = time_steps(name, runs, args.repeats, args.steps, args.min_seconds, bar)
     base = rows["none"]
@@ -257,6 +259,14 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup:
                   f"| compiled none | {c['compiled_none']['saved_bytes'] / MiB:.1f} | 1.00 | 1.00 |",
                   f"| compiled, activation_memory_budget={c['budget']:g} "
                   f"| {c['compiled_budget']['saved_bytes'] / MiB:.1f} | {c['act_fraction']:.2f} | {c['time_ratio']:.2f} |"]
+        for name, row in c.get("plugin", {}).items():
+            what = name.removeprefix("plugin_").replace("auto_", "ckpt=auto budget=")
+            what = what if what.startswith("ckpt=") else f"ckpt={what}"
+            if "error" in row:
+                lines.append(f"| compiled + plugin {what} | refused: {row['error'].split(': the smallest ')[-1]} | | |")
+                continue
+            lines.append(f"| compiled + plugin {what} | {row['saved_bytes'] / MiB:.1f} | {row['act_fraction']:.2f} "
+                         f"| {row['time_ratio']:.2f} |")
         if c.get("eager_auto"):
             lines += [f"| eager none | {c['eager_none']['saved_bytes'] / MiB:.1f} | 1.00 | 1.00 |",
                       f"| eager ckpt=auto budget={c['budget']:g} | {c['eager_auto']['saved_bytes'] / MiB:.1f} "
@@ -265,8 +275,10 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup:
     return "\n".join(lines)
 
 
-def _choices(choices: dict[str, str]) -> str:
-    """``full x10, keep x2`` for a plan's options."""
+def _choices(choices: dict[str, str] | str) -> str:
+    """``full x10, keep x2`` for a plan's options (a schedule's nodes for segments=optimal)."""
+    if isinstance(choices, str):
+        return f"schedule {choices}"
     counts: dict[str, int] = {}
     for option in choices.values():
         counts[option] = counts.get(option, 0) + 1
@@ -369,8 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ckpt-bench: overhead of the plugin over hand-written checkpoint (tiny GPT)", file=sys.stderr)
         overhead = measure_overhead(rounds=5 if args.quick else 15)
     if "compiled" not in skipped:
-        print("ckpt-bench: torch.compile with activation_memory_budget (compiles twice: minutes)", file=sys.stderr)
-        compiled = measure_compiled_budget(quick=args.quick, rounds=3, steps=1)
+        print("ckpt-bench: torch.compile: torch's activation_memory_budget and the plugin's modes, compiled "
+              f"({2 + len(PLUGIN_ROWS)} compiles: minutes)", file=sys.stderr)
+        compiled = measure_compiled_budget(quick=args.quick, rounds=5, steps=1, plugin=list(PLUGIN_ROWS))
     args.out.mkdir(parents=True, exist_ok=True)
     extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled)) if v is not None}
     (args.out / "results.json").write_text(json.dumps(results | extras, indent=2, default=str) + "\n")

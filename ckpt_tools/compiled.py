@@ -59,11 +59,14 @@ from typing import Any
 import torch
 
 from ckpt_plugin._compat import activation_memory_budget, compiler_backend
-from ckpt_plugin.config.plan import apply_checkpointing
+from ckpt_plugin.config.plan import apply_checkpointing, plan_for
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.engine.wrap import install
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_tools.workloads import MODELS, build
 
-__all__ = ["BudgetBackend", "CompiledRun", "compiled_run", "measure_compiled_budget"]
+__all__ = ["PLUGIN_ROWS", "BudgetBackend", "CompiledRun", "compiled_run", "measure_compiled_budget"]
 
 DEFAULT_BUDGET = 1.0  # torch's own default: the partition that is fastest, no recompute for memory
 
@@ -146,8 +149,16 @@ def _time_rounds(runs: list[CompiledRun], rounds: int, steps: int) -> None:
         gc.enable()
 
 
+PLUGIN_ROWS: dict[str, dict[str, Any]] = {  # row -> the plugin's keys; compiled with torch's default budget
+    "plugin_full": {"mode": "full"},
+    "plugin_selective": {"mode": "selective"},
+    **{f"plugin_auto_{b:g}": {"mode": "auto", "budget": b} for b in (0.5, 0.25, 0.1)},
+}
+
+
 def measure_compiled_budget(*, quick: bool, budget: float = 0.5, rounds: int = 5, steps: int = 2,
-                            backend: str = "inductor", eager: bool = True) -> dict[str, Any]:
+                            backend: str = "inductor", eager: bool = True,
+                            plugin: Sequence[str] = ()) -> dict[str, Any]:
     """torch's memory budget under ``torch.compile`` against compiled ``none``, on the example GPT.
 
     Returns (bytes per step's forward, seconds per step; see the module docstring)::
@@ -159,7 +170,12 @@ def measure_compiled_budget(*, quick: bool, budget: float = 0.5, rounds: int = 5
          "time_ratio":   compiled_budget / compiled_none step seconds,
          # with ``eager``: the plugin, no compile, the same model and batch
          "eager_none": {...}, "eager_auto": {..., "wrapped": [...]},  # ckpt=auto budget=``budget``
-         "eager_act_fraction": ..., "eager_time_ratio": ...}
+         "eager_act_fraction": ..., "eager_time_ratio": ...,
+         # with ``plugin`` (names of PLUGIN_ROWS): the plugin's mode applied, then the loss compiled
+         # whole as compiled none is (torch's default partition); ``auto`` plans with each option timed
+         # compiled through ``backend`` (ckpt.timing), as the step runs
+         "plugin": {"plugin_full": {"saved_bytes", "step_seconds", "act_fraction", "time_ratio"
+                                    (to compiled none), "wrapped": [...], "plan": "..." (auto)}, ...}}
 
     The two budgets are relative to different baselines: torch's to what the
     compiled graph keeps by default, the plugin's to the eager activation peak;
@@ -170,6 +186,9 @@ def measure_compiled_budget(*, quick: bool, budget: float = 0.5, rounds: int = 5
         problems.append(f"budget={budget!r}: must be a fraction in [0, 1]")
     if rounds < 1 or steps < 1:
         problems.append(f"rounds={rounds!r}, steps={steps!r}: both must be at least 1")
+    unknown = sorted(set(plugin) - set(PLUGIN_ROWS))
+    if unknown:
+        problems.append(f"plugin rows {', '.join(map(repr, unknown))}: valid rows are {', '.join(PLUGIN_ROWS)}")
     if problems:
         raise ValueError("; ".join(problems))
     spec = MODELS["gpt"]
@@ -182,7 +201,18 @@ def measure_compiled_budget(*, quick: bool, budget: float = 0.5, rounds: int = 5
         for name in ("eager_none", "eager_auto"):
             base = build(spec, "none", quick)
             runs[name] = CompiledRun(base.model, base.batch, base.model.loss)
-        wrapped = apply_checkpointing(runs["eager_auto"].model, layers=spec.layers, mode="auto", budget=budget)
+        wrapped = apply_checkpointing(runs["eager_auto"].model, layers=spec.layers, mode="auto", budget=budget,
+                                      timing="eager")
+    plugin_wrapped: dict[str, Any] = {}
+    for name in plugin:
+        base = build(spec, "none", quick)
+        keys = PLUGIN_ROWS[name] | ({"timing": backend} if PLUGIN_ROWS[name]["mode"] == "auto" else {})
+        try:
+            plugin_wrapped[name] = _apply_logged(base.model, layers=spec.layers, **keys)
+        except ConfigError as err:  # a budget below what checkpointing the blocks reaches: the row says so
+            plugin_wrapped[name] = {"error": str(err)}
+            continue
+        runs[name] = compiled_run(base.model, base.batch, DEFAULT_BUDGET, backend)
     for run in runs.values():
         run.warm_up()
     rows: dict[str, dict[str, Any]] = {name: {"saved_bytes": run.saved_bytes()} for name, run in runs.items()}
@@ -197,7 +227,17 @@ def measure_compiled_budget(*, quick: bool, budget: float = 0.5, rounds: int = 5
         rows["eager_auto"]["wrapped"] = wrapped
         result |= {"eager_none": rows["eager_none"], "eager_auto": rows["eager_auto"]}
         result |= {f"eager_{k}": v for k, v in _ratios(rows["eager_auto"], rows["eager_none"]).items()}
+    if plugin:
+        result["plugin"] = {name: rows[name] | _ratios(rows[name], rows["compiled_none"]) | plugin_wrapped[name]
+                            if name in rows else plugin_wrapped[name] for name in plugin}
     return result
+
+
+def _apply_logged(model: torch.nn.Module, **keys: Any) -> dict[str, Any]:
+    """Apply the plugin's ``keys``; the wrapped names and, for ``ckpt=auto``, the plan it logged."""
+    plan = plan_for(model, make_config(**keys))
+    wrapped = install(model, plan)
+    return {"wrapped": wrapped} | ({"plan": plan.summary} if keys["mode"] == "auto" else {})
 
 
 def _ratios(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float]:
@@ -213,7 +253,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--backend", default="inductor", help="inductor (needs g++) or aot_eager")
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the plugin's eager rows")
+    parser.add_argument("--plugin", default="", help=f"comma-separated compiled plugin rows: {', '.join(PLUGIN_ROWS)} "
+                        "or 'all'")
     args = parser.parse_args(argv)
+    args.plugin = list(PLUGIN_ROWS) if args.plugin == "all" else [r for r in args.plugin.split(",") if r]
     print(json.dumps(measure_compiled_budget(**vars(args)), indent=2))
 
 

@@ -32,6 +32,8 @@ MODES: dict[str, dict[str, Any] | None] = {
     "every_n_2": {"mode": "full", "every_n": 2},
     "segments_sqrt": {"mode": "full", "segments": "sqrt"},
     "recursive": {"mode": "full", "segments": "recursive"},
+    # Rotor's nesting of regions with the least recomputed FLOPs within half the activation peak.
+    "segments_optimal": {"mode": "full", "segments": "optimal", "budget": 0.5},
     "selective": {"mode": "selective", "policy": "matmuls"},
     "auto_0.25": {"mode": "auto", "budget": 0.25},
     "auto_0.5": {"mode": "auto", "budget": 0.5},
@@ -133,7 +135,7 @@ def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0) -> Run:
         return Run(model, batch, sum(type(m).__name__ == spec.layers for m in model.modules()))
     config = make_config(layers=list(spec.auto_layers or [spec.layers]) if keys["mode"] == "auto" else spec.layers,
                          **keys)
-    if not isinstance(config, AutoConfig):
+    if not isinstance(config, AutoConfig) and getattr(config, "segments", None) != "optimal":
         return Run(model, batch, len(apply_config(model, config)))
     # Planned on the bench's own batch and loss, as a user's training step would be.
     plan, grown = peak_growth(lambda: plan_for(model, config, lambda: model.loss(batch)))

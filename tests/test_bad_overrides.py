@@ -85,13 +85,13 @@ CASES = [
     case("ckpt.segments=-1", "ckpt.segments", "-1",
          "ckpt.segments=-1 must be >= 1: the number of checkpointed segments (or 'sqrt', 'recursive')"),
     case("ckpt.segments=cube", "ckpt.segments", "'cube'",
-         "ckpt.segments='cube' (str) must be an integer >= 1, 'sqrt' or 'recursive' (or null for one checkpoint "
+         "ckpt.segments='cube' (str) must be an integer >= 1, 'sqrt', 'recursive' or 'optimal' (or null for one checkpoint "
          "per layer)"),
     case("ckpt.segments=2.5", "ckpt.segments", "2.5",
-         "ckpt.segments=2.5 (float) must be an integer >= 1, 'sqrt' or 'recursive' (or null for one checkpoint "
+         "ckpt.segments=2.5 (float) must be an integer >= 1, 'sqrt', 'recursive' or 'optimal' (or null for one checkpoint "
          "per layer)"),
     case("ckpt.segments=true", "ckpt.segments", "True",
-         "ckpt.segments=True (bool) must be an integer >= 1, 'sqrt' or 'recursive' (or null for one checkpoint "
+         "ckpt.segments=True (bool) must be an integer >= 1, 'sqrt', 'recursive' or 'optimal' (or null for one checkpoint "
          "per layer)"),
     case("ckpt.segments=9", "ckpt.segments", "9",
          "ckpt.segments=9 asks for more segments than the 4 layers of the chain; use a value from 1 to 4, 'sqrt' "
@@ -160,10 +160,19 @@ CASES = [
     # keys, mode and target
     case("+ckpt.layer=TransformerBlock", "ckpt.layer", "ckpt.layer",
          "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; valid keys: layers, every_n, "
-         "preserve_rng_state, check_recompute, segments, offload, deepspeed, compile"),
-    case("+ckpt.budget=0.5", "ckpt.budget", "ckpt.budget",
-         "unknown key ckpt.budget for ckpt mode 'full'; valid keys: layers, every_n, preserve_rng_state, "
-         "check_recompute, segments, offload, deepspeed, compile"),
+         "preserve_rng_state, check_recompute, segments, budget, offload, deepspeed, compile"),
+    case("ckpt.budget=0.5", "ckpt.budget", "0.5",
+         "ckpt.budget=0.5 is only read with ckpt.segments=optimal, not ckpt.segments=null; set ckpt.segments=optimal "
+         "(the least recomputation that fits the budget), or drop ckpt.budget (ckpt=auto takes a budget too: it "
+         "chooses per layer)"),
+    case("ckpt.segments=optimal", "ckpt.budget", "ckpt.segments=optimal",
+         "ckpt.segments=optimal needs ckpt.budget: a fraction of the activation peak without checkpointing (0.3) or a "
+         "size (2GiB); or choose ckpt.segments=sqrt or recursive, which need no budget"),
+    case("ckpt.segments=optimal  ckpt.budget=2", "ckpt.budget", "2",
+         "ckpt.budget=2 would be 2 bytes (an integer is a number of bytes): did you mean a fraction or a size with a "
+         "unit?; write e.g. 0.4, 40% or 2GiB, or 2B if 2 bytes are meant; ..."),
+    case("ckpt=selective  ckpt.segments=optimal", "ckpt.segments", "optimal",
+         "ckpt.segments=optimal is planned for ckpt=full's regions, which keep only their inputs: ..."),
     case("ckpt.mode=fulll", "ckpt.mode", "'fulll'",
          "ckpt.mode='fulll' is not a mode; valid modes, closest first: 'full', 'offload', 'auto', 'selective', 'none'"),
     case("ckpt.mode=null", "ckpt.mode", "None",
@@ -224,7 +233,13 @@ CASES = [
     case("ckpt=auto  ckpt.budget=0.5  ckpt.preserve_rng_state=2", "ckpt.preserve_rng_state", "2",
          "ckpt.preserve_rng_state=2 (int) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  +ckpt.segments=2", "ckpt.segments", "ckpt.segments",
-         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, budget, preserve_rng_state, compile"),
+         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, budget, preserve_rng_state, compile, timing"),
+    case("ckpt=auto  ckpt.budget=0.5  ckpt.timing=compiledd", "ckpt.timing", "'compiledd'",
+         "ckpt.timing='compiledd' is neither 'auto', 'eager', 'compiled' nor a torch.compile backend; "
+         "closest first: 'compiled', ..."),
+    case("ckpt=auto  ckpt.budget=0.5  ckpt.timing=[eager]", "ckpt.timing", "['eager']",
+         "ckpt.timing=['eager'] (list) must be one of 'auto', 'eager', 'compiled' or the name of a torch.compile "
+         "backend"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.layers=TransformerBlok", "ckpt.layers", "'TransformerBlok'",
          "ckpt.layers: no module of class 'TransformerBlok' in GPT and none named 'TransformerBlok'; ..."),
     # ckpt=offload

@@ -93,7 +93,8 @@ def test_compiled_gradients_equal_eager_without_checkpointing(results: dict[str,
 
 
 def test_measure_compiled_budget_rows(results: dict[str, Result]) -> None:  # after the fixture: it resets dynamo
-    result = measure_compiled_budget(quick=True, rounds=1, steps=1, backend="aot_eager")
+    plugin = ["plugin_full", "plugin_auto_0.5"]
+    result = measure_compiled_budget(quick=True, rounds=1, steps=1, backend="aot_eager", plugin=plugin)
     rows = ("compiled_none", "compiled_budget", "eager_none", "eager_auto")
     assert {"budget", "backend", "model", "act_fraction", "time_ratio", "eager_act_fraction",
             "eager_time_ratio", *rows} <= result.keys()
@@ -104,6 +105,17 @@ def test_measure_compiled_budget_rows(results: dict[str, Result]) -> None:  # af
     assert 0 < result["act_fraction"] < 1
     assert result["compiled_none"]["saved_bytes"] <= result["eager_none"]["saved_bytes"]
     assert result["eager_auto"]["wrapped"] and result["eager_act_fraction"] < 1
+    # The plugin's rows: its mode applied, then the loss compiled whole like compiled none (one graph each).
+    assert list(result["plugin"]) == plugin
+    full, auto = result["plugin"]["plugin_full"], result["plugin"]["plugin_auto_0.5"]
+    assert full["wrapped"] == [f"blocks.{i}" for i in range(MODELS["gpt"].quick["n_layer"])]
+    for row in (full, auto):
+        assert row["act_fraction"] == row["saved_bytes"] / result["compiled_none"]["saved_bytes"] < 1
+        assert row["step_seconds"] > 0 and row["time_ratio"] > 0
+    assert full["saved_bytes"] < auto["saved_bytes"]  # full keeps the block inputs alone
+    assert "keep and selective and full compiled (aot_eager))" in auto["plan"] and auto["wrapped"]
+    with pytest.raises(ValueError, match=r"plugin rows 'plugin_ful': valid rows are plugin_full, plugin_selective"):
+        measure_compiled_budget(quick=True, backend="aot_eager", plugin=["plugin_ful"])
 
 
 def test_a_budget_outside_0_1_is_an_error() -> None:

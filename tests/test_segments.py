@@ -201,7 +201,7 @@ def test_segments_below_one(bad) -> None:
 
 
 def test_segments_of_a_wrong_type() -> None:
-    with pytest.raises(ValueError, match=r"^ckpt\.segments='half' \(str\) must be an integer >= 1, 'sqrt' or 'recursive'"):
+    with pytest.raises(ValueError, match=r"^ckpt\.segments='half' \(str\) must be an integer >= 1, 'sqrt', 'recursive' or 'optimal'"):
         apply_checkpointing(small_gpt(), layers="TransformerBlock", segments="half")
 
 

@@ -7,8 +7,10 @@
 decides what the engine does: which modules (``engine/selection.py``), how
 each call runs (an ``engine.treatment.Treatment``), one checkpoint per layer or
 segments over a chain, or, for ``ckpt=auto``, what the planner chose from a
-profile. It dispatches on the config's type. Nothing here touches the model;
-:func:`apply_config` is ``install(model, plan_for(...))``.
+profile, and for ``ckpt.segments=optimal`` the schedule ``planning/rotor.py``
+finds for ``ckpt.budget`` from the chain's costs. It dispatches on the config's
+type. Nothing here touches the model; :func:`apply_config` is
+``install(model, plan_for(...))``.
 
 Segments are checked here, when they are asked for, not at the first step
 (issue #20): where the layers sit (``engine.chain_check.check_chain``), then,
@@ -21,19 +23,22 @@ on every layer. Without a sample, that check waits for the first step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
-from ckpt_plugin._compat import user_module
-from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
+from ckpt_plugin._compat import compiled_by_user, user_module
+from ckpt_plugin.config.schema import (AutoConfig, CkptConfig, FullConfig, NoneConfig, OffloadConfig, SelectiveConfig,
+                                       make_config)
 from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
 from ckpt_plugin.engine.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
 from ckpt_plugin.engine.policies import make_policy
-from ckpt_plugin.engine.regional import backend_of
+from ckpt_plugin.engine.regional import DEFAULT_BACKEND, backend_of
+from ckpt_plugin.engine.sequential import regions
 from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install, policy_of
@@ -42,7 +47,9 @@ from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
-from ckpt_plugin.planning.profile import profile, wrap_plan
+from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.planning.profile import INSIDE_DEPTH, chain_costs, profile, wrap_plan
+from ckpt_plugin.planning.rotor import Unreachable, simulate, solve
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -73,7 +80,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     ``model(model.example_input_array)``, if it has one. ``model`` may be
     wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
     """
-    model = user_module(model)
+    given, model = model, user_module(model)
     if isinstance(config, NoneConfig):
         return WrapPlan()
     layers, note = resolve_layers(model, config.layers)
@@ -81,18 +88,22 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     names = select_layers(model, layers, config.every_n)
     if isinstance(config, AutoConfig):
         forward = forward or _sample_forward(model)
-        measured = profile(model, names, lambda: scalar(forward()), timed=True)
+        backend = backend_of(config.compile)
+        compiled = timed_compiled(config, backend, compiled_by_user(given, names))
+        # Parts of the layers are candidates too (planning/inside.py), where the step runs eagerly: a part's
+        # compiled call inside a compiled layer is not planned for.
+        depth = INSIDE_DEPTH if not compiled and backend is None else 0
+        measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth)
         chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
         plan = wrap_plan(chosen, config.preserve_rng_state)
         summary = plan.summary
         if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
             summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
                         f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
-        backend = backend_of(config.compile)
         if backend is not None and plan.names:
             plan = replace(plan, groups=tuple(replace(g, compile=backend) for g in plan.groups))
             summary += (f"\nckpt.compile: the {len(plan.names)} layer(s) this plan wraps run compiled ({backend}), "
-                        "the kept ones eagerly; the plan's peak and times were measured uncompiled")
+                        "the kept ones eagerly; the plan's peak was measured uncompiled (fake tensors)")
         return replace(plan, summary="\n".join(filter(None, [note, summary])), note=note)
     segments = getattr(config, "segments", None)
     if segments is None:
@@ -104,13 +115,82 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
             "ckpt.segments",
             f"ckpt.segments={segments} cannot be combined with ckpt.every_n={config.every_n}: "
             "segments group consecutive layers", "drop one of the two")])
-    plan = WrapPlan((Segments(tuple(names), segments, treatment_of(config)),), summary=note, note=note)
+    optimal = segments == "optimal"  # planned below, once the layers are known to be a chain
+    group = Segments(tuple(names), 1 if optimal else segments, treatment_of(config))
+    plan = WrapPlan((group,), summary=note, note=note)
     check_plan(model, plan)  # where the layers sit, first: nothing runs for layers that cannot be a chain
-    if forward is None and getattr(model, "example_input_array", None) is not None:
+    if optimal:
+        forward = forward or _sample_forward(model, "ckpt.segments", "ckpt.segments=optimal")
+    elif forward is None and getattr(model, "example_input_array", None) is not None:
         forward = example_forward(model)
     if forward is not None:
         raise_problems(chain_problems(model, names, forward), "ckpt.segments")
-    return plan
+    return _optimal(model, config, names, forward, note) if optimal else plan
+
+
+def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Callable[[], Any],
+             note: str) -> WrapPlan:
+    """``ckpt.segments=optimal``: Rotor's schedule for ``ckpt.budget``, from the layers' costs on fake tensors.
+
+    The cost is recomputed FLOPs (exact: no timing). A budget at least the measured peak
+    without checkpointing wraps nothing, as for ckpt=auto; one below the least peak any
+    schedule reaches is refused with that least peak.
+    """
+    costs, none_peak = chain_costs(model, names, lambda: scalar(forward()))
+    limit = resolve(parse_budget(config.budget), none_peak)
+    if limit >= none_peak:  # nothing checkpointed fits, as measured, whatever the model says (as for ckpt=auto)
+        limit = max(limit, simulate(costs, range(len(names)))[0])
+    try:
+        solution = solve(costs, limit, names)
+    except Unreachable as err:
+        raise ConfigError([Problem("ckpt.budget", _unreachable(limit, err.least, none_peak))]) from err
+    against = (f"ckpt.segments=optimal over the {len(names)} layers {names[0]} .. {names[-1]} for ckpt.budget="
+               f"{config.budget} ({format_bytes(limit)}; the activation peak without checkpointing is "
+               f"{format_bytes(none_peak)})")
+    if not regions(solution.schedule):  # not silent: the budget is why nothing is wrapped
+        lines = [against, (f"ckpt.budget={config.budget} fits the step without checkpointing (predicted peak "
+                           f"{format_bytes(solution.predicted_peak)}): every layer runs as it is, none is wrapped")]
+        return WrapPlan(summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
+    lines = [against, str(solution)]
+    if sum(costs.flops):
+        lines[-1] += f" ({solution.recompute_flops / sum(costs.flops):.2f} of one forward of the layers)"
+    group = Segments(tuple(names), solution.schedule, treatment_of(config))
+    return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
+
+
+def _unreachable(budget: int, least: int, reference: int) -> str:
+    """Why ``budget`` bytes cannot be met by ``segments=optimal``: the least peak, as a budget that can be typed back."""
+    fraction = math.ceil(least / reference * 100) / 100
+    if int(fraction * reference) < least:  # the float's rounding, not the user's
+        fraction += 0.01
+    return (f"ckpt.budget: {budget} bytes ({format_bytes(budget)}, {budget / reference:.2f} of the activation peak "
+            f"without checkpointing, {format_bytes(reference)}) cannot be met by ckpt.segments=optimal: the least "
+            f"peak any schedule of the chain reaches is {least} bytes ({format_bytes(least)}, {least / reference:.2f}); raise "
+            f"ckpt.budget to at least {min(fraction, 1):g} or {least}B")
+
+
+def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool) -> dict[str, str]:
+    """Which options ``ckpt=auto`` times compiled, through which backend (option -> backend).
+
+    As the step will run them: ``ckpt.compile`` runs the layers the plan wraps
+    compiled and the kept ones eagerly; a model or layers the user compiled
+    run every option compiled. ``ckpt.timing`` overrides: ``eager``, or
+    ``compiled`` (inductor, torch.compile's default) or a backend for every option.
+    """
+    timing = config.timing
+    if timing == "eager":
+        return {}
+    if timing == "auto":
+        if user_compiled:
+            timing = backend or DEFAULT_BACKEND
+        elif backend is not None:
+            return {"selective": backend, "full": backend}
+        else:
+            return {}
+    chosen = DEFAULT_BACKEND if timing == "compiled" else timing
+    if backend is not None and not user_compiled:  # ckpt.compile: the kept layers stay eager
+        return {"selective": chosen, "full": chosen}
+    return dict.fromkeys(OPTIONS, chosen)
 
 
 def _compiled_line(config: CkptConfig, backend: str | None, n: int) -> str:
@@ -141,12 +221,12 @@ def chain_problems(model: nn.Module, names: list[str], forward: Callable[[], Any
     return [call_problem(model, names, breaks)] if breaks else []
 
 
-def _sample_forward(model: nn.Module) -> Callable[[], Any]:
+def _sample_forward(model: nn.Module, key: str = "ckpt.mode", who: str = "ckpt=auto") -> Callable[[], Any]:
     """``model(example_input_array)``; a model without one is the user's to fix, so a ConfigError."""
     if getattr(model, "example_input_array", None) is None:
         raise_problems([Problem(
-            "ckpt.mode",
-            f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on {type(model).__name__} "
+            key,
+            f"{who} profiles the layers on a sample input: set `example_input_array` on {type(model).__name__} "
             "(Lightning's convention: a tensor, a tuple of arguments or a dict)",
             "or choose another ckpt preset (under Lightning's callback, the call training_step makes with the first "
             "training batch serves too)",

@@ -130,6 +130,34 @@ def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Proble
     return problems + segment_problems(config.segments) + _check_bool("offload", config.offload)
 
 
+def _budget_problems(config: FullConfig) -> list[Problem]:
+    """``ckpt.budget`` on ckpt=full: what ``ckpt.segments=optimal`` plans for, required there and only there."""
+    # The same reading as ckpt=auto's.
+    from ckpt_plugin.planning.budget import parse_budget
+
+    segments, budget = config.segments, config.budget
+    if segments != "optimal":
+        if budget is None:
+            return []
+        shown = "null" if segments is None else segments
+        return [Problem(
+            "ckpt.budget", f"ckpt.budget={budget!r} is only read with ckpt.segments=optimal, not ckpt.segments={shown}",
+            "set ckpt.segments=optimal (the least recomputation that fits the budget), or drop ckpt.budget "
+            "(ckpt=auto takes a budget too: it chooses per layer)",
+        )]
+    if budget is None:
+        return [Problem(
+            "ckpt.budget", "ckpt.segments=optimal needs ckpt.budget: a fraction of the activation peak without "
+            "checkpointing (0.3) or a size (2GiB)",
+            "or choose ckpt.segments=sqrt or recursive, which need no budget",
+        )]
+    try:
+        parse_budget(budget)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
 def _compile_problems(config: Any) -> list[Problem]:
     """``ckpt.compile``: true (inductor), false or a backend name, and not with what has no one call to compile."""
     value = config.compile
@@ -197,8 +225,12 @@ class FullConfig(LayerSelection):
     # Name the module whose recomputation saves tensors of another shape, dtype or device than its
     # forward (RecomputationMismatch). Off: torch checks the same, unnamed, without a hook per saved tensor.
     check_recompute: bool = False
-    # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain.
+    # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain;
+    # 'optimal': the nesting of regions with the least recomputation that fits ckpt.budget (Rotor).
     segments: Any = None
+    # With segments=optimal only: a fraction of the activation peak without checkpointing (0.3) or a
+    # size (2GiB), read as ckpt=auto reads its budget.
+    budget: Any = None
     # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
     offload: bool = False
     # null: torch's checkpoint. DeepSpeed's own checkpoint and its options (ckpt=deepspeed): a mapping
@@ -210,7 +242,8 @@ class FullConfig(LayerSelection):
     compile: Any = False
 
     def __post_init__(self) -> None:
-        raise_problems(_checkpointing_problems(self) + self._deepspeed_problems() + _compile_problems(self))
+        raise_problems(_checkpointing_problems(self) + _budget_problems(self) + self._deepspeed_problems()
+                       + _compile_problems(self))
 
     def _deepspeed_problems(self) -> list[Problem]:
         try:
@@ -257,6 +290,15 @@ class SelectiveConfig(LayerSelection):
         from ckpt_plugin.engine.policies import make_policy
 
         problems = _checkpointing_problems(self)
+        if self.segments == "optimal":
+            problems.append(Problem(
+                "ckpt.segments",
+                "ckpt.segments=optimal is planned for ckpt=full's regions, which keep only their inputs: a selective "
+                "region also keeps the outputs of the ops its policy saves, which the schedule's memory model does "
+                "not count",
+                "use ckpt=full ckpt.segments=optimal ckpt.budget=..., or with ckpt=selective an integer, sqrt or "
+                "recursive",
+            ))
         try:
             make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
         except ConfigError as err:
@@ -284,8 +326,11 @@ class AutoConfig(LayerSelection):
     # A fraction of the activation peak without checkpointing (0.4) or a size (2GiB). Required.
     budget: Any = None
     preserve_rng_state: bool = True
-    # Run each layer the plan checkpoints compiled, its checkpoint included (the plan is measured uncompiled).
+    # Run each layer the plan checkpoints compiled, its checkpoint included.
     compile: Any = False
+    # How each option is timed for the plan: auto (as the step runs: compiled where ckpt.compile or the
+    # user's torch.compile will compile it), eager, compiled (inductor) or a torch.compile backend's name.
+    timing: Any = "auto"
 
     def __post_init__(self) -> None:
         from ckpt_plugin.planning.budget import parse_budget
@@ -295,7 +340,29 @@ class AutoConfig(LayerSelection):
             parse_budget(self.budget)
         except ConfigError as err:
             problems += err.problems
-        raise_problems(problems + _compile_problems(self))
+        raise_problems(problems + _compile_problems(self) + _timing_problems(self.timing))
+
+
+TIMINGS = ("auto", "eager", "compiled")
+
+
+def _timing_problems(value: Any) -> list[Problem]:
+    """``ckpt.timing``: auto, eager, compiled, or a torch.compile backend's name."""
+    if not isinstance(value, str):
+        return [Problem("ckpt.timing", f"ckpt.timing={value!r} ({type(value).__name__}) must be one of "
+                        f"{_quote_all(TIMINGS)} or the name of a torch.compile backend")]
+    if value in TIMINGS:
+        return []
+    from ckpt_plugin.engine.regional import backends  # imports torch: only when validating
+
+    names = backends()
+    if value in names:
+        return []
+    near = ", ".join(repr(b) for b in closest_first(value, [*TIMINGS, *names])[:5])
+    return [Problem(
+        "ckpt.timing", f"ckpt.timing={value!r} is neither {_quote_all(TIMINGS)} nor a torch.compile backend",
+        f"closest first: {near}, ... (torch.compiler.list_backends(exclude_tags=()) lists the backends)",
+    )]
 
 
 @dataclass(kw_only=True)
@@ -320,6 +387,7 @@ class NoneConfig:
     budget: Any = None
     deepspeed: Any = None
     compile: Any = False
+    timing: Any = None
 
 
 MODES: dict[str, type] = {

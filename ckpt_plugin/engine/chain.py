@@ -47,8 +47,8 @@ ATTR = "_ckpt_plugin_chain"  # where a chained layer keeps its ChainCheckpoint (
 class ChainCheckpoint:
     """Checkpoint regions over ``layers`` (consecutive siblings, in call order)."""
 
-    def __init__(self, names: list[str], layers: list[nn.Module], segments: int | str, treatment: Treatment,
-                 side_effects: SideEffects | None = None):
+    def __init__(self, names: list[str], layers: list[nn.Module], segments: int | str | tuple[Node, ...],
+                 treatment: Treatment, side_effects: SideEffects | None = None):
         self.names, self.layers = names, layers
         self.side_effects = side_effects or SideEffects()
         self.nodes = schedule(len(layers), segments)

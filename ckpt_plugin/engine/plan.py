@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_plugin.engine.sequential import Node
 from ckpt_plugin.engine.treatment import Treatment
 
 
@@ -29,10 +30,11 @@ class EachLayer:
 
 @dataclass(frozen=True)
 class Segments:
-    """The modules named form a chain cut into ``segments`` checkpointed regions (int, 'sqrt' or 'recursive')."""
+    """The modules named form a chain cut into ``segments`` checkpointed regions (int, 'sqrt' or 'recursive'),
+    or run under a planned schedule (``segments=optimal``: the nodes themselves, ``sequential.Region``s nesting)."""
 
     names: tuple[str, ...]
-    segments: int | str
+    segments: int | str | tuple[Node, ...]
     treatment: Treatment
 
 

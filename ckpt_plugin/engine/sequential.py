@@ -13,6 +13,10 @@ consecutive functions whose own children may be regions again.
 - ``"recursive"``: the chain is halved, each half a region, recursively down to
   single functions (the seed's ``recursive_checkpoint``): O(log L) inputs kept
   at any time for O(L log L) recompute; JAX users ask for it (jax#2139).
+- ``"optimal"``: the nesting with the least recomputation for a memory budget,
+  planned from the layers' measured costs (``planning/rotor.py``; ``ckpt.budget``);
+  the planner hands its schedule over as the nodes themselves, which
+  ``segments`` also takes: ``checkpoint_sequential(fns, solve(costs, limit).schedule, x)``.
 
 Unlike ``torch.utils.checkpoint.checkpoint_sequential`` every segment is
 checkpointed, the last one included, so ``segments=1`` is the whole chain as
@@ -30,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 
-SEGMENT_WORDS = ("sqrt", "recursive")
+SEGMENT_WORDS = ("sqrt", "recursive", "optimal")
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ def segment_problems(segments: Any, key: str = "ckpt.segments") -> list[Problem]
         return [Problem(
             key,
             f"{key}={segments!r} ({type(segments).__name__}) must be an integer >= 1, "
-            f"'sqrt' or 'recursive' (or null for one checkpoint per layer)",
+            f"'sqrt', 'recursive' or 'optimal' (or null for one checkpoint per layer)",
         )]
     if segments < 1:
         return [Problem(
@@ -62,11 +66,19 @@ def segment_problems(segments: Any, key: str = "ckpt.segments") -> list[Problem]
     return []
 
 
-def schedule(length: int, segments: int | str, key: str = "ckpt.segments") -> list[Node]:
-    """The nodes of a chain of ``length`` functions under ``segments``."""
+def schedule(length: int, segments: int | str | Sequence[Node], key: str = "ckpt.segments") -> list[Node]:
+    """The nodes of a chain of ``length`` functions under ``segments`` (or ``segments`` itself, a schedule)."""
+    if isinstance(segments, (list, tuple)):
+        return _checked(list(segments), length, key)
     raise_problems(segment_problems(segments, key), key)
     if length < 1:
         raise ConfigError([Problem(key, f"{key}: there is no function to checkpoint (the chain is empty)")], key)
+    if segments == "optimal":
+        raise ConfigError([Problem(
+            key, f"{key}='optimal' is planned from the layers' costs and a memory budget, not from their number",
+            "use apply_checkpointing(model, layers=..., segments='optimal', budget=...), or pass the planned "
+            "schedule (planning.rotor.solve(costs, limit).schedule) as segments",
+        )], key)
     if segments == "recursive":  # a top-level half of one layer is a region too (else L=2 checkpoints nothing)
         halves = _halve(0, length).children if length > 1 else (0,)
         return [c if isinstance(c, Region) else Region(c, c + 1, (c,)) for c in halves]
@@ -79,6 +91,27 @@ def schedule(length: int, segments: int | str, key: str = "ckpt.segments") -> li
         )], key)
     bounds = [round(i * length / count) for i in range(count + 1)]
     return [Region(a, b, tuple(range(a, b))) for a, b in zip(bounds, bounds[1:])]
+
+
+def _checked(nodes: list[Node], length: int, key: str) -> list[Node]:
+    """``nodes`` if they cover ``0..length-1`` in order, each region by its children; else a ConfigError."""
+    def covers(nodes: Sequence[Node], start: int, stop: int) -> bool:
+        at = start
+        for node in nodes:
+            if isinstance(node, Region):
+                if node.start != at or node.stop <= at or not covers(node.children, node.start, node.stop):
+                    return False
+                at = node.stop
+            elif isinstance(node, int) and not isinstance(node, bool) and node == at:
+                at += 1
+            else:
+                return False
+        return at == stop and at > start
+
+    if not covers(nodes, 0, length):
+        raise ConfigError([Problem(key, f"{key}: the schedule {nodes!r} does not cover the {length} layers "
+                                   "0..L-1 in order (each region by its children)")], key)
+    return nodes
 
 
 def _halve(start: int, stop: int) -> Region:
@@ -99,7 +132,7 @@ def regions(nodes: Sequence[Node]) -> list[Region]:
 
 def checkpoint_sequential(
     functions: Sequence[Callable[..., Any]],
-    segments: int | str,
+    segments: int | str | Sequence[Node],
     *inputs: Any,
     preserve_rng_state: bool = True,
 ) -> Any:

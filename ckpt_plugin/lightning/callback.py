@@ -71,21 +71,24 @@ class ActivationCheckpointing(pl.Callback):
         check_recompute: Name the module whose recomputation saves other tensors than its forward did, at a hook
             per saved tensor (unset: false; torch's own check still runs, unnamed). full and selective.
         segments: Checkpoint a chain of consecutive layers in segments: a count, sqrt or recursive (unset: one
-            checkpoint per layer). full and selective.
+            checkpoint per layer). full and selective. optimal (full): the nesting of regions with the least
+            recomputation that fits budget.
         offload: Keep what checkpointing still saves (the layers' inputs) in CPU memory (unset: false). full and
             selective.
         policy: selective: the ops whose outputs are saved: matmuls, matmuls_no_batch, names (the tensors tagged
             with checkpoint_name) or a list of aten op names (unset: matmuls).
         save_names: selective with policy names: save exactly the checkpoint_name tensors named here.
         exclude_names: selective with policy names: save every checkpoint_name tensor except these.
-        budget: auto, required there: the activation memory to fit, a fraction of the peak without checkpointing
-            (0.4, 40%) or a size (2GiB, 512MiB).
+        budget: auto, and full with segments optimal, required there: the activation memory to fit, a fraction of
+            the peak without checkpointing (0.4, 40%) or a size (2GiB, 512MiB).
         deepspeed: full: DeepSpeed's own checkpoint, under a DeepSpeed strategy, with these options
             (partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
             synchronize_checkpoint_boundary, profile) (unset: torch's checkpoint).
         compile: Run each wrapped layer compiled, its checkpoint included (regional compilation): true (inductor),
             false, or the name of a torch.compile backend (aot_eager) (unset: false). Not with segments, deepspeed,
             check_recompute or policy names.
+        timing: ckpt=auto: how each option is timed for the plan (unset: auto, as the step runs: compiled where
+            ckpt.compile or your own torch.compile compiles it), eager, compiled (inductor) or a backend name.
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class ActivationCheckpointing(pl.Callback):
         budget: int | float | str | None = None,
         deepspeed: dict[str, Any] | None = None,
         compile: bool | str | None = None,  # noqa: A002 -- the key's name in the ckpt node
+        timing: str | None = None,
         **misspelt: Any,
     ) -> None:
         super().__init__()
@@ -111,7 +115,7 @@ class ActivationCheckpointing(pl.Callback):
             "layers": layers, "every_n": every_n, "preserve_rng_state": preserve_rng_state,
             "check_recompute": check_recompute, "segments": segments, "offload": offload, "policy": policy,
             "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "deepspeed": deepspeed,
-            "compile": compile,
+            "compile": compile, "timing": timing,
         }
         # None is "the mode's default": left out, so a key the mode lacks is an error only when it is given
         # (Hydra's instantiate hands over every key of the mode's node, its nulls included). Any other
@@ -137,7 +141,8 @@ class ActivationCheckpointing(pl.Callback):
         saved = state_dict.get("config")
         if not isinstance(saved, dict):  # a record without the keys: nothing to compare
             return
-        saved = {"compile": False, **saved}  # a record from before ckpt.compile existed: it ran uncompiled
+        # A record from before ckpt.compile (ckpt.timing) existed: it ran uncompiled (timed as its step ran).
+        saved = {"compile": False, **({"timing": "auto"} if saved.get("mode") == "auto" else {}), **saved}
         changes = _changes(saved, _plain(as_keys(self.config)))
         if changes:
             rank_zero_warn(
@@ -165,7 +170,8 @@ class ActivationCheckpointing(pl.Callback):
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
         prepare(trainer.strategy, pl_module, self.config)
-        forward = self._example_forward(trainer, pl_module, from_batch=isinstance(self.config, AutoConfig))
+        profiled = isinstance(self.config, AutoConfig) or getattr(self.config, "segments", None) == "optimal"
+        forward = self._example_forward(trainer, pl_module, from_batch=profiled)
         if forward is None and isinstance(self.config, AutoConfig):
             raise ConfigError([Problem(
                 "ckpt.mode",

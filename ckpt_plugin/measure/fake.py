@@ -26,6 +26,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from ckpt_plugin._compat import fake_tensor_mode, raised_by_fake_tensors
@@ -47,7 +48,11 @@ def fake_measurement(model: nn.Module, what: str) -> Iterator[Any]:
     """
     grads = {p: p.grad for p in model.parameters()}
     try:
-        yield fake_tensor_mode()
+        # What the user compiled (a layer's ``Module.compile()``, a compiled child) runs eagerly here:
+        # dynamo does not trace under a dispatch mode (with fullgraph=True it raises), and a graph of
+        # fake tensors would be one real tensors never use.
+        with torch.compiler.set_stance("force_eager"):
+            yield fake_tensor_mode()
     except (NotImplementedError, RuntimeError) as err:
         if isinstance(err, NotFakeable) or not _from_fake_tensors(err):
             raise

@@ -18,17 +18,41 @@ so far, so a dynamic programme over the layers that keeps the Pareto frontier
 of (bytes kept so far, cost) is exact: no discretisation, no solver. The cost
 is the step time an option adds (measured, ``timing.py``), then recomputed
 FLOPs, then how intrusive the option is.
+
+A layer's options need not be the three above: ``inside.py`` adds, for a
+layer whose parts (child modules) were measured too, options that checkpoint
+parts of it (the layer unwrapped, or itself ``full`` with parts checkpointed
+inside its recomputation), each a :class:`Cost` whose ``parts`` say which. The
+DP here treats them as any other option; a :class:`Plan` lists the parts.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.measure.units import format_bytes
 
 OPTIONS = ("keep", "selective", "full")  # in order of intrusiveness: ties in FLOPs go left
+INSIDE = "inside"  # a layer left unwrapped, parts of it checkpointed (``inside.py``)
+
+
+def kind(option: str) -> str:
+    """What an option does to the layer itself: ``inside.py``'s ``inside#2`` is ``inside``, ``full+inside#1`` ``full``."""
+    head = option.split("#", 1)[0]
+    return "full" if head == f"full+{INSIDE}" else head
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of a layer (a child module, or a child's child) and what an inside option does to it."""
+
+    name: str
+    option: str  # keep, selective, full or inside (never keep: parts left as they are are not listed)
+    kept_bytes: int
+    recompute_flops: int
 
 
 @dataclass(frozen=True)
@@ -38,19 +62,25 @@ class Cost:
     ``kept_bytes``: kept for backward; ``recompute_flops``: recomputed in
     backward; ``running_bytes``: alive while it runs beyond what the other
     layers keep (its running bytes, ``profile.py``); ``seconds``: the step
-    time the option adds over ``keep`` (0 until ``timing.py`` measures it).
+    time the option adds over ``keep`` (0 until ``timing.py`` measures it);
+    ``parts``: for an option inside the layer, its parts checkpointed (or
+    themselves inside), in the order they run, a part's own parts after it;
+    ``backward_running``: for a part, its running bytes when it runs inside its
+    layer's recomputation, in backward, where the loss is alive too (None: not measured).
     """
 
     kept_bytes: int
     recompute_flops: int
     running_bytes: int
     seconds: float = 0.0
+    parts: tuple[Part, ...] = ()
+    backward_running: int | None = None
 
 
 @dataclass(frozen=True)
 class LayerProfile:
     name: str
-    options: dict[str, Cost]  # "keep" / "selective" / "full" -> Cost
+    options: dict[str, Cost]  # "keep" / "selective" / "full" (and inside.py's options inside it) -> Cost
 
 
 @dataclass(frozen=True)
@@ -62,25 +92,36 @@ class Profile:
     rest_running: int  # alive outside the layers at worst beyond the layers' keeps (the rest's running bytes)
     no_ckpt_peak: int  # act peak of the step without checkpointing, as measured
     none_seconds: float = 0.0  # the step without checkpointing, predicted from timings (0: not timed)
+    timed_as: str = ""  # how the options were timed: "eager", or which ran compiled ("": not timed)
+    # Inside the layers (inside.py): each measured part's own options, and each layer's or part's chain of parts.
+    parts: dict[str, dict[str, Cost]] = field(default_factory=dict)
+    chains: dict[str, Any] = field(default_factory=dict)  # name -> inside.Chain
 
     def plan(self, budget_bytes: int) -> Plan:
-        return plan(self.layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
-                    reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
+        chosen = plan(self.layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
+                      reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
+        return replace(chosen, timed_as=self.timed_as)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One option per layer, the least recompute whose predicted activation peak fits."""
+    """One option per layer, the least recompute whose predicted activation peak fits.
+
+    ``choices``: every layer's option (``keep``, ``selective``, ``full`` or
+    ``inside``: unwrapped, parts of it checkpointed), each followed by the parts
+    its option checkpoints inside it (qualified names, e.g. ``blocks.3.mlp``), with theirs.
+    """
 
     choices: dict[str, str]
     recompute_flops: int
     recompute_seconds: float  # step time the chosen options add (0 without a timing)
     predicted_peak: int
     budget_bytes: int
-    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer, option, kept bytes, recompute FLOPs
+    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer or part, option, kept bytes, recompute FLOPs
     rest_bytes: int = 0
     peak_at: str = REST  # the layer whose run (or recomputation) the predicted peak falls in
     none_seconds: float = 0.0  # the step without checkpointing, predicted (0: not timed)
+    timed_as: str = ""  # how the options were timed (Profile.timed_as)
 
     @property
     def predicted_time_ratio(self) -> float | None:
@@ -88,18 +129,26 @@ class Plan:
         return (self.none_seconds + self.recompute_seconds) / self.none_seconds if self.none_seconds > 0 else None
 
     def __str__(self) -> str:
-        width = max(len("total (peak)"), len(REST), *(len(r[0]) for r in self.rows))
+        # A part is indented under its layer (and a part's part under it): depth = listed ancestors.
+        names = [n for n, *_ in self.rows]
+        shown = ["  " * sum(n.startswith(a + ".") for a in names) + n for n in names]
+        width = max(len("total (peak)"), len(REST), *(len(n) for n in shown))
         lines = [f"{'layer':<{width}}  {'option':<9}  {'kept':>10}  {'recompute FLOPs':>16}"]
-        lines += [f"{n:<{width}}  {o:<9}  {format_bytes(b):>10}  {f:>16,}" for n, o, b, f in self.rows]
+        lines += [f"{n:<{width}}  {o:<9}  {format_bytes(b):>10}  {f:>16,}"
+                  for n, (_, o, b, f) in zip(shown, self.rows)]
         lines.append(f"{REST:<{width}}  {'':<9}  {format_bytes(self.rest_bytes):>10}")
         peak, flops = format_bytes(self.predicted_peak), self.recompute_flops
         lines.append(f"{'total (peak)':<{width}}  {'':<9}  {peak:>10}  {flops:>16,}")
         lines.append(f"predicted activation peak {format_bytes(self.predicted_peak)} ({self.predicted_peak} B), "
                      f"while {self.peak_at} runs, <= budget {format_bytes(self.budget_bytes)} "
                      f"({self.budget_bytes} B)")
+        if shown != names:
+            lines.append("indented: parts checkpointed inside the layer above (inside: the layer runs unwrapped; "
+                         "under a full layer: inside its recomputation); the layer's row includes them")
         if self.predicted_time_ratio is not None:
             lines.append(f"predicted step time {self.predicted_time_ratio:.2f}x that without checkpointing "
-                         f"(+{1e3 * self.recompute_seconds:.1f} ms of recomputation, measured layer by layer)")
+                         f"(+{1e3 * self.recompute_seconds:.1f} ms of recomputation, measured layer by layer"
+                         + (f", {self.timed_as})" if self.timed_as else ")"))
         return "\n".join(lines)
 
 
@@ -206,13 +255,17 @@ def plan(
     peak, at = predicted_peak(profiles, chosen, rest_running)
     if reference_peak is not None and set(chosen) == {"keep"}:
         peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
+    rows = []
+    for p, o in zip(profiles, chosen):
+        rows.append((p.name, kind(o), p.options[o].kept_bytes, p.options[o].recompute_flops))
+        rows += [(part.name, part.option, part.kept_bytes, part.recompute_flops) for part in p.options[o].parts]
     return Plan(
-        choices={p.name: o for p, o in zip(profiles, chosen)},
+        choices={name: option for name, option, _, _ in rows},
         recompute_flops=cost[1],
         recompute_seconds=cost[0],
         predicted_peak=peak,
         budget_bytes=budget_bytes,
-        rows=[(p.name, o, p.options[o].kept_bytes, p.options[o].recompute_flops) for p, o in zip(profiles, chosen)],
+        rows=rows,
         rest_bytes=rest_bytes,
         peak_at=at,
         none_seconds=none_seconds,

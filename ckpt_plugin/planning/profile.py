@@ -45,10 +45,11 @@ bounds MemTracker's act peak on the GPT and the ResNet, within 5 %.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from dataclasses import replace
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -60,12 +61,17 @@ from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
 from ckpt_plugin.planning.timing import LayerTimes, check_candidates, measure_layer_times
-from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, Plan, Profile, plan
+from ckpt_plugin.planning.planner import INSIDE, OPTIONS, Cost, LayerProfile, Plan, Profile, plan
+from ckpt_plugin.planning.inside import Chain, with_inside
+from ckpt_plugin.planning.rotor import ChainCosts
+from ckpt_plugin.engine.blocks import has_forward
 from ckpt_plugin.engine.policies import make_policy
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
+
+log = logging.getLogger("ckpt_plugin")
 
 # ---------------------------------------------------------------------- profiling
 
@@ -98,9 +104,24 @@ class _Recorder(TorchDispatchMode):
         self.external = {id(t.untyped_storage()) for t in state}
         self.stack: list[str] = []
         self.counting = True
-        self.flops: dict[str, int] = defaultdict(int)
+        self.flops: dict[str, int] = defaultdict(int)  # recomputed, by layer
+        self.forward_flops: dict[str, int] = defaultdict(int)  # of its forward, by layer
         self.counter: FlopCounterMode | None = None
+        self.backward_at: int | None = None  # the index of backward's first event (samples after: recomputation)
+        self.phase_running: dict[tuple[str, str], int] = {}  # analyse(): (window, 'forward' or 'recompute') -> bytes
+        self.backward_held = 0  # analyse(): bytes made after the layers' forward and alive, unkept, through backward
+        self.late_alive = 0  # analyse(): the most made after the layers' forward (the loss, its targets) alive in a recomputation
         self.order: list[str] = []  # the layers in the order they first ran forward
+        # Windows inside windows (a layer's parts, inside.py): each call of a window runs in units, its own
+        # ops before its first part, between two parts, after the last (unit j: after j parts), and each part.
+        self.calls: dict[str, int] = defaultdict(int)  # window -> its calls in forward
+        self.parts: dict[str, list[str]] = {}  # window -> the windows called directly inside its first call, in order
+        self.unit: dict[str, tuple[int, int]] = {}  # window -> (j, event index where its unit j began), this call
+        self.unit_start: dict[tuple[str, int], int] = {}  # (window, j) -> where unit j of its first call began
+        self.ended: dict[str, int] = {}  # window -> event index where its first call ended (forward)
+        self.unit_running: dict[tuple[str, int], int] = {}  # analyse(): (window, j) -> running bytes, see there
+        self.unit_forward: dict[tuple[str, int], int] = {}  # analyse(): the same, in forward only
+        self.unit_recompute: dict[tuple[str, int], int] = {}  # analyse(): the same, in recomputation only
 
     def _hold_fake_copy(self, t: torch.Tensor) -> None:
         """On fake tensors, keep the mode's copy of a real input (the batch) alive as long as
@@ -145,7 +166,9 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._uid(t, create=True)
         if self.counting:
-            self.events.append(("sample", self.stack[-1] if self.stack else REST))
+            window = self.stack[-1] if self.stack else REST
+            j, start = self.unit.get(window, (0, 0)) if self.backward_at is None else (0, self.unit_start.get((window, 0), 0))
+            self.events.append(("sample", window, j, start))
         return out
 
     def keep(self, t: Any, owner: str | None = None) -> Any:
@@ -161,6 +184,7 @@ class _Recorder(TorchDispatchMode):
 
         def run(*args: Any, **kwargs: Any) -> Any:
             recompute = not self.counting  # only backward stops counting; only recomputation runs forwards there
+            outer = name not in self.stack  # in forward a wrapped layer runs in two windows (outside and inside its checkpoint)
             if not recompute:
                 if name not in self.order:
                     self.order.append(name)
@@ -169,7 +193,10 @@ class _Recorder(TorchDispatchMode):
                 # what one layer keeps never depends on another's option.
                 for t in tree_leaves((args, kwargs)):
                     self.keep(t, name)
-            counter = self.counter if recompute else None
+                if outer:
+                    self._enter(name)
+            # Counted in the outer window.
+            counter = self.counter if recompute or outer else None
             before = counter.get_total_flops() if counter else 0
             self.stack.append(name)
             self.counting = True
@@ -179,9 +206,30 @@ class _Recorder(TorchDispatchMode):
                 self.stack.pop()
                 self.counting = not recompute
                 if counter:
-                    self.flops[name] += counter.get_total_flops() - before
+                    (self.flops if recompute else self.forward_flops)[name] += counter.get_total_flops() - before
+                if outer and not recompute:
+                    self._leave(name)
 
         return run
+
+    def _enter(self, name: str) -> None:
+        """A window's call begins (forward): its unit 0 begins, and it is a part of the window it runs in."""
+        self.calls[name] += 1
+        self.unit[name] = (0, len(self.events))
+        self.unit_start.setdefault((name, 0), len(self.events))
+        if self.calls[name] == 1:
+            self.parts.setdefault(name, [])
+            if self.stack:
+                self.parts.setdefault(self.stack[-1], []).append(name)
+
+    def _leave(self, name: str) -> None:
+        """A window's call ends (forward): the next unit of the window it ran in begins."""
+        self.ended.setdefault(name, len(self.events))
+        if self.stack:
+            outer = self.stack[-1]
+            j = self.unit[outer][0] + 1
+            self.unit[outer] = (j, len(self.events))
+            self.unit_start.setdefault((outer, j), len(self.events))
 
     def analyse(self) -> tuple[dict[str, int], dict[str, int], int]:
         """(kept bytes by owner, running bytes by window, peak live bytes).
@@ -196,6 +244,14 @@ class _Recorder(TorchDispatchMode):
         then. A tensor that two layers keep (a block that saves its output, the
         next one's input) belongs to the later one, which keeps it whatever its
         option: counted once, whatever the earlier one's option.
+
+        Windows inside windows (``inside.py``) need more: ``unit_running``, by
+        unit of each window (``_Recorder.window``), is the most alive beyond
+        what the windows that *ended before the unit began* keep, in forward
+        and in recomputation (``unit_forward``, ``unit_recompute``: in either). A layer's parts
+        keep what they keep for as long as their layer is running, while a part
+        that runs later may keep something already alive (the layer's input
+        its shortcut keeps): alive, so counted, until that part has run.
         """
         owners: dict[int, set[str]] = defaultdict(set)
         for ev in self.events:
@@ -211,54 +267,84 @@ class _Recorder(TorchDispatchMode):
             owner = REST if REST in names else max(names, key=lambda n: rank.get(n, len(rank)))
             kept_by[owner] += self.sizes[uid]
             owners[uid] = {owner}
-        frozen = {uid: frozenset(names) for uid, names in owners.items()}
+        frozen = {uid: next(iter(names)) for uid, names in owners.items()}
         live = peak = 0
-        kept_alive: dict[frozenset, int] = defaultdict(int)  # packed and alive, by the set of its owners
+        kept_alive: dict[str, int] = defaultdict(int)  # packed and alive, by its owner
         packed: set[int] = set()
         running: dict[str, int] = defaultdict(int)
-        for kind, *rest in self.events:
+        made_at: dict[int, int] = {}  # alive uid -> index of its allocation
+        layers_end = max((i for i, ev in enumerate(self.events[:self.backward_at])
+                          if ev[0] == "sample" and ev[1] != REST), default=-1)
+        backward_at = len(self.events) if self.backward_at is None else self.backward_at
+        late = 0  # alive, made after the layers' forward and before backward
+        for index, (kind, *rest) in enumerate(self.events):
+            if index == self.backward_at:  # made after the layers, alive through backward, kept by none: the loss
+                self.backward_held = sum(self.sizes[u] for u, at in made_at.items()
+                                         if at > layers_end and u not in packed)
             if kind == "sample":
-                window = rest[0]
-                others = sum(v for who, v in kept_alive.items() if REST not in who and window not in who)
+                window, j, start = rest
+                others = sum(v for who, v in kept_alive.items() if who != REST and who != window)
                 running[window] = max(running[window], live - others)
+                forward = self.backward_at is None or index < self.backward_at
+                phase = (window, "forward" if forward else "recompute")
+                self.phase_running[phase] = max(self.phase_running.get(phase, 0), live - others)
+                start = index if window == REST else start
+                before = live - sum(v for who, v in kept_alive.items() if self.ended.get(who, index + 1) <= start)
+                self.unit_running[window, j] = max(self.unit_running.get((window, j), 0), before)
+                phases = self.unit_forward if forward else self.unit_recompute
+                phases[window, j] = max(phases.get((window, j), 0), before)
+                if not forward and window != REST:
+                    self.late_alive = max(self.late_alive, late)
                 peak = max(peak, live)
                 continue
             uid = rest[0]
             size = self.sizes[uid]
             if kind == "alloc":
                 live += size
+                made_at[uid] = index
+                late += size if layers_end < index < backward_at else 0
             elif kind == "pack" and uid not in packed:
                 packed.add(uid)
                 kept_alive[frozen[uid]] += size
             elif kind == "free":
                 live -= size
+                late -= size if layers_end < made_at.get(uid, -1) < backward_at else 0
+                made_at.pop(uid, None)
                 if uid in packed:
                     kept_alive[frozen[uid]] -= size
         return dict(kept_by), dict(running), peak
 
 
-def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str, *, flops: bool,
-          fake: Any = None) -> _Recorder:
+def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str | Mapping[str, str], *,
+          flops: bool, fake: Any = None, around: list[str] = ()) -> _Recorder:
     """One training step with every candidate under ``option``, recorded; the model is left as it was.
+
+    ``option`` may map each name to its own (a plan's choices: nested names are
+    nested checkpoints; ``inside`` leaves the module unwrapped, as ``keep``).
 
     Memory (``flops=False``) and FLOPs (``flops=True``) come from separate steps:
     FlopCounterMode's module tracker holds recomputed tensors until backward ends
     (multi-grad hooks on module outputs), which would distort the memory timeline.
+    ``around``: modules recorded as windows too, unwrapped (the layers that
+    ``names``, their parts, sit in; ``inside.py``).
     """
     modules = dict(model.named_modules())
-    how = treatment(option) or Treatment(checkpointing=False)
+    chosen = dict.fromkeys(names, option) if isinstance(option, str) else option
+    how = {o: (treatment(o) if o != INSIDE else None) or Treatment(checkpointing=False) for o in set(chosen.values())}
     recorder = _Recorder(model, fake)
     mode = FlopCounterMode(display=False) if flops else recorder
     recorder.counter = mode if flops else None
-    previous = {name: modules[name].__dict__.get("forward") for name in names}
+    previous = {name: modules[name].__dict__.get("forward") for name in [*around, *names]}
     grads = {p: p.grad for p in model.parameters()}
     try:
+        for name in around:
+            modules[name].__dict__["forward"] = recorder.window(name, modules[name].forward)
         for name in names:
             module = modules[name]
             # Labelled inside checkpoint (its recomputation runs the inner forward only) and
             # outside it (checkpoint saves the layer's inputs before calling the inner forward).
             module.__dict__["forward"] = recorder.window(name, module.forward)
-            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how, name))
+            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how[chosen[name]], name))
         with side_effect_free(model), fake or contextlib.nullcontext(), mode, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.keep, lambda t: t):
                 outputs = [t for t in tree_leaves(forward()) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -268,21 +354,22 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
                 # Made before backward, as loss.backward() makes its own: MemTracker counts it as act.
                 seeds = [torch.ones_like(t) for t in outputs]
             recorder.counting = False
+            recorder.backward_at = len(recorder.events)
             torch.autograd.backward(outputs, seeds)
             del outputs, seeds
     finally:
         for p, g in grads.items():  # the step's gradients are dropped
             p.grad = g
-        for name in names:
-            if previous[name] is None:
+        for name, before in previous.items():
+            if before is None:
                 modules[name].__dict__.pop("forward", None)
             else:
-                modules[name].__dict__["forward"] = previous[name]
+                modules[name].__dict__["forward"] = before
     return recorder
 
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
-            timed: bool = False) -> Profile:
+            timed: bool = False, compiled: Mapping[str, str] | None = None, depth: int = 0) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Five
@@ -293,8 +380,15 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     runs them on real tensors (for tests that compare the two). ``timed=True``
     also measures what each option adds to the step time (``timing.py``: real
     tensors, one layer at a time, never the un-checkpointed step), which the
-    planner then minimises. They leave no trace: RNG streams, buffers,
+    planner then minimises; ``compiled`` (option -> backend) times those options
+    compiled, as the step will run them (``measure_layer_times``). They leave no trace: RNG streams, buffers,
     gradients and wrapping are restored.
+
+    ``depth``: how many levels of parts (child modules) below each layer are
+    candidates too (``inside.py``; ``ckpt=auto`` asks for ``INSIDE_DEPTH``).
+    Each level costs five more steps, every part of that level under one
+    option at a time, and its parts are timed as the layers are (alike parts
+    once); their options reach a layer as options inside it.
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
@@ -305,6 +399,8 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
         flops = {option: _step(model, names, forward, option, flops=True, fake=mode).flops if option != "keep" else {}
                  for option in OPTIONS}
+        forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
+        parts, chains = _measure_parts(model, names, forward, mode, depth, forward_running)
     layers = [
         LayerProfile(name, {
             option: Cost(kept.get(name, 0), flops[option].get(name, 0), running.get(name, 0))
@@ -320,34 +416,169 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),
         rest_running=max(running.get(REST, 0) for _, running, _ in memory.values()),
         no_ckpt_peak=memory["keep"][2],
+        parts=parts,
+        chains=chains,
     )
     if not timed:
-        return measured
+        return _with_inside(measured)
+    timed_parts = {name: list(options) for name, options in parts.items() if len(options) > 1}
     with cache_warnings_silenced():
-        times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS})
+        times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS}, compiled=compiled,
+                                    parts=timed_parts)
     return with_times(measured, times)
 
 
-def with_times(measured: Profile, times: LayerTimes) -> Profile:
-    """``measured`` with each option's added step time from ``times`` (negative noise read as 0)."""
-    layers = [LayerProfile(layer.name, {o: replace(c, seconds=max(times.added(layer.name, o), 0.0))
-                                        for o, c in layer.options.items()})
+INSIDE_DEPTH = 2  # ckpt=auto: a layer's children and their children are candidates too
+
+
+def parts_of(model: nn.Module, name: str) -> list[str]:
+    """The modules the forward of ``name`` may call directly: its children, a ModuleList's items in its place."""
+    found = []
+    for child, module in model.get_submodule(name).named_children():
+        qualified = f"{name}.{child}" if name else child
+        found += [qualified] if has_forward(module) else parts_of(model, qualified)
+    return found
+
+
+def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any], mode: Any, depth: int,
+                   forward_running: dict[str, int]) -> tuple[dict[str, dict[str, Cost]], dict[str, Chain]]:
+    """Each level of parts below ``names``, as :func:`profile` measures the layers: their options and chains.
+
+    Five steps per level, every part of the level under one option, the levels
+    above recorded as windows, unwrapped. A module gets a chain (``inside.Chain``)
+    when it ran once and each of its parts ran once in it. A part's option that
+    keeps no less and runs no lighter than ``keep`` is dropped (never worth a
+    timing). A level whose parts cannot be checkpointed (the step fails) ends the
+    descent: the layers keep the options measured above it.
+    """
+    parts: dict[str, dict[str, Cost]] = {}
+    chains: dict[str, Chain] = {}
+    levels = [list(names)]
+    for _ in range(depth):
+        level = [part for name in levels[-1] for part in parts_of(model, name)]
+        if not level:
+            break
+        around = [name for above in levels for name in above]
+        try:
+            recorders = {o: _step(model, level, forward, o, flops=False, fake=mode, around=around) for o in OPTIONS}
+            flops = {o: _step(model, level, forward, o, flops=True, fake=mode, around=around).flops
+                     if o != "keep" else {} for o in OPTIONS}
+        except Exception as err:  # noqa: BLE001 -- parts are an extra: the layers' own options stand
+            log.debug("ckpt=auto: no candidates inside %s: checkpointing its parts fails (%s: %s)",
+                      ", ".join(levels[-1][:3]), type(err).__name__, err)
+            break
+        kept = {o: r.analyse()[0] for o, r in recorders.items()}
+        keep = recorders["keep"]
+        held = max(r.late_alive for r in recorders.values())  # the loss: alive in backward, where a recomputation runs
+        for name in levels[-1]:
+            inner = keep.parts.get(name) or []
+            once = all(r.calls[n] == 1 and r.parts.get(name) == inner for r in recorders.values() for n in [name, *inner])
+            if not inner or not once or name not in forward_running:
+                continue
+            glue = tuple(max(r.unit_running.get((name, j), 0) for r in recorders.values()) for j in range(len(inner) + 1))
+            chains[name] = Chain(tuple(inner), max(k.get(name, 0) for k in kept.values()), glue, forward_running[name],
+                                 held)
+            for part in inner:
+                options = {o: Cost(kept[o].get(part, 0), flops[o].get(part, 0), r.unit_running.get((part, 0), 0),
+                                   backward_running=max(r.unit_forward.get((part, 0), 0) + held,
+                                                        r.unit_recompute.get((part, 0), 0)))
+                           for o, r in recorders.items()}
+                plain = options["keep"]
+                parts[part] = {o: c for o, c in options.items()
+                               if o == "keep" or c.kept_bytes < plain.kept_bytes or c.running_bytes < plain.running_bytes}
+                forward_running[part] = recorders["full"].unit_forward.get((part, 0), 0)
+        levels.append([part for part in level if part in parts])
+    return parts, chains
+
+
+def _with_inside(measured: Profile) -> Profile:
+    """``measured`` with each layer's options inside it (``inside.py``), from its parts' options and chains."""
+    if not measured.chains:
+        return measured
+    leaves = {layer.name: {o: c for o, c in layer.options.items() if o in OPTIONS} for layer in measured.layers}
+    layers = [LayerProfile(layer.name, with_inside(layer.name, leaves | measured.parts, measured.chains))
               for layer in measured.layers]
-    return replace(measured, layers=layers, none_seconds=times.predicted_none_seconds)
+    return replace(measured, layers=layers)
+
+
+def with_times(measured: Profile, times: LayerTimes) -> Profile:
+    """``measured`` with each option's added step time from ``times`` (negative noise read as 0).
+
+    Where an option was timed compiled, its kept bytes are what its compiled call
+    keeps (``LayerTimes.kept_bytes``), its running bytes move by as much, and the
+    peak without checkpointing, when ``keep`` ran compiled, by the sum over the
+    layers: the step as it will run. The rest of the model keeps its eager bytes.
+    """
+    layers, shift = [], 0
+    for layer in measured.layers:
+        compiled = times.kept_bytes.get(layer.name, {})
+        options = {}
+        for o, c in layer.options.items():
+            if o not in OPTIONS:  # an option inside the layer: made again below, from its parts' times
+                continue
+            c = replace(c, seconds=max(times.added(layer.name, o), 0.0))
+            if o in compiled:
+                delta = compiled[o] - c.kept_bytes
+                c = replace(c, kept_bytes=compiled[o], running_bytes=max(c.running_bytes + delta, compiled[o]))
+            options[o] = c
+        shift += compiled["keep"] - layer.options["keep"].kept_bytes if "keep" in compiled else 0
+        layers.append(LayerProfile(layer.name, options))
+    parts = {name: {o: replace(c, seconds=max(times.added(name, o), 0.0)) for o, c in options.items()}
+             if name in times.seconds else options for name, options in measured.parts.items()}
+    return _with_inside(replace(measured, layers=layers, parts=parts, none_seconds=times.predicted_none_seconds,
+                                timed_as=times.how, no_ckpt_peak=measured.no_ckpt_peak + shift))
 
 
 def wrap_plan(chosen: Plan, preserve_rng_state: bool = True) -> WrapPlan:
     """``chosen`` as a plan the engine installs: each layer with its option (``keep`` stays unwrapped).
 
+    A part (``inside.py``) is just another module name: wrapped on its own, or
+    inside its wrapped layer (nested checkpoints); an ``inside`` layer stays unwrapped.
+
     The planner decides and never installs; the names keep ``chosen``'s order.
     """
-    how = {option: treatment(option, preserve_rng_state) for option in OPTIONS}
+    how = {option: treatment(option, preserve_rng_state) for option in OPTIONS} | {INSIDE: None}
     groups = tuple(EachLayer((name,), how[option]) for name, option in chosen.choices.items() if how[option] is not None)
     return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}", planned=chosen)
 
 
+def chain_costs(model: nn.Module, names: list[str], forward: Callable[[], Any], *,
+                fake: bool = True) -> tuple[ChainCosts, int]:
+    """What ``planning/rotor.py`` plans a chain of ``names`` (in the order they run) with, and the act peak without.
+
+    Three steps on fake tensors (``fake=False``: real ones, for tests): memory
+    with every layer as it is and with every layer checkpointed alone, which
+    splits into its forward inside a region and its recomputation as a region's
+    last layer, and the FLOPs of that second step (forward and recomputed).
+    """
+    names = list(dict.fromkeys(names))
+    check_candidates(model, names)
+    with (cache_warnings_silenced(), checkpointing_disabled(model),
+          fake_measurement(model, "ckpt.segments=optimal's profile") as mode):
+        mode = mode if fake else None
+        plain = _step(model, names, forward, "keep", flops=False, fake=mode)
+        alone = _step(model, names, forward, "full", flops=False, fake=mode)
+        counted = _step(model, names, forward, "full", flops=True, fake=mode)
+    kept, running, peak = plain.analyse()
+    inputs = alone.analyse()[0]  # checkpointed, a layer keeps its inputs only
+    phase = alone.phase_running
+    costs = ChainCosts(
+        input_bytes=tuple(inputs.get(n, 0) for n in names),
+        kept_bytes=tuple(max(kept.get(n, 0) - inputs.get(n, 0), 0) for n in names),
+        running_bytes=tuple(running.get(n, 0) for n in names),
+        region_running_bytes=tuple(phase.get((n, "forward"), 0) for n in names),
+        last_running_bytes=tuple(phase.get((n, "recompute"), 0) for n in names),
+        flops=tuple(counted.forward_flops.get(n, 0) for n in names),
+        last_flops=tuple(counted.flops.get(n, 0) for n in names),
+        after_running=running.get(REST, 0),
+        backward_bytes=plain.backward_held,
+    )
+    return costs, peak
+
+
 __all__ = [
     "Budget",
+    "chain_costs",
     "Cost",
     "LayerProfile",
     "OPTIONS",

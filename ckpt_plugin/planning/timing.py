@@ -22,6 +22,15 @@ afford (checkpointing is on because the un-checkpointed step does not fit):
    ``full_step_seconds``. Any other plan's step is predicted from it:
    ``full_step_seconds - sum(added(full)) + sum(added(chosen))``.
 
+Compiled (``compiled=``, ``ckpt.timing``): under ``torch.compile`` a recomputation
+is fused into the backward's kernels and costs a fraction of its eager time (on
+the example GPT, CPU inductor: ``full`` on every block +8 % compiled, +50 %
+eager; issue #22), so a plan timed eagerly over-prices recomputation and under-
+prices keeping. Each option the step compiles is timed compiled, the layer's
+call through ``torch.compile(fullgraph=True)`` with its checkpoint inside, as
+``ckpt.compile`` runs it (``engine/regional.py``); alike layers share one graph
+per option, compiled in the untimed warm-up round.
+
 The median and not the minimum: we predict a typical step, and the median of
 three drops one outlier on either side, where the minimum picks each option's
 one lucky sample on its own. On the ResNet the two predicted alike, within the
@@ -69,22 +78,25 @@ stay; the cost is one forward, ``3 x (repeats + 1)`` runs of each *kind* of laye
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ckpt_plugin._compat import keystr, tree_flatten_with_path, tree_leaves, tree_map
+from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.engine.side_effects import without_cache
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
-from ckpt_plugin.measure.memory import side_effect_free
+from ckpt_plugin.measure.memory import SavedCounter, side_effect_free
 
-# (option, layer kind and input signature) -> seconds of one call; see measure_layer_times' ``cache``.
+# (option, or "option compiled (backend)", layer kind and input signature) -> seconds of one call; see
+# measure_layer_times' ``cache``.
 TimingCache = dict[tuple[str, tuple], float]
 
 
@@ -94,6 +106,22 @@ class LayerTimes:
 
     seconds: dict[str, dict[str, float]]  # layer -> option -> its forward + backward (+ recompute), summed over calls
     full_step_seconds: float  # one real training step with every candidate under "full"
+    compiled: Mapping[str, str] = field(default_factory=dict)  # option -> the backend it was timed through
+    # layer -> compiled option -> bytes its compiled calls keep for backward (its inputs included), summed over calls
+    kept_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    parts: tuple[str, ...] = ()  # of ``seconds``, the parts inside layers (timed alone, not in the step with every layer full)
+
+    @property
+    def how(self) -> str:
+        """How the options were run when timed: ``eager``, or which ran compiled through which backend."""
+        if not self.compiled:
+            return "eager"
+        by_backend: dict[str, list[str]] = {}
+        for option, backend in self.compiled.items():
+            by_backend.setdefault(backend, []).append(option)
+        eager = [o for o in next(iter(self.seconds.values()), {}) if o not in self.compiled]
+        parts = [f"{' and '.join(options)} compiled ({backend})" for backend, options in by_backend.items()]
+        return ", ".join(parts + ([f"{' and '.join(eager)} eager"] if eager else []))
 
     def added(self, name: str, option: str) -> float:
         """What ``option`` adds to the step over not checkpointing layer ``name`` (0 for ``keep``)."""
@@ -102,7 +130,7 @@ class LayerTimes:
     @property
     def predicted_none_seconds(self) -> float:
         """The step without checkpointing, predicted (never run: it may not fit)."""
-        return self.full_step_seconds - sum(self.added(name, "full") for name in self.seconds)
+        return self.full_step_seconds - sum(self.added(name, "full") for name in self.seconds if name not in self.parts)
 
     def predicted_seconds(self, choices: Mapping[str, str]) -> float:
         """The step with layer ``name`` under ``choices[name]`` (``keep`` where not named)."""
@@ -115,10 +143,11 @@ class LayerTimes:
         options = list(next(iter(self.seconds.values()), {"keep": 0.0}))
         width = max([len("layer"), *(len(name) for name in self.seconds)])
         lines = [f"{'layer':<{width}}  " + "  ".join(f"{o + ' ms':>12}" for o in options)]
-        lines += [f"{name:<{width}}  " + "  ".join(f"{1e3 * s:>12.2f}" for s in row.values())
+        lines += [f"{name:<{width}}  " + "  ".join(f"{1e3 * row[o]:>12.2f}" if o in row else f"{'-':>12}"
+                                                 for o in options)
                   for name, row in self.seconds.items()]
         lines.append(f"step with every layer full: {1e3 * self.full_step_seconds:.1f} ms, "
-                     f"predicted without checkpointing: {1e3 * self.predicted_none_seconds:.1f} ms")
+                     f"predicted without checkpointing: {1e3 * self.predicted_none_seconds:.1f} ms; timed {self.how}")
         return "\n".join(lines)
 
 
@@ -132,6 +161,8 @@ def measure_layer_times(
     step_repeats: int = 1,
     cache: TimingCache | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    compiled: Mapping[str, str] | None = None,
+    parts: Mapping[str, Collection[str]] | None = None,
 ) -> LayerTimes:
     """Time every option of every candidate layer (qualified names) on real inputs, one layer at a time.
 
@@ -153,6 +184,27 @@ def measure_layer_times(
     CPU shared with other processes, ``time.process_time`` with one intra-op
     thread counts only this process's work (``ckpt_tools/evaluate_timing.py``).
 
+    ``compiled``: option -> the ``torch.compile`` backend that option runs
+    through in the step being planned; the others run eagerly. Each such
+    option is timed as ``ckpt.compile`` runs a layer (``regional.py``): the
+    layer's call compiled with ``fullgraph=True``, its checkpoint included, so
+    the recomputation is timed fused into the compiled backward, as it will
+    run. One set of compiled calls per option serves every layer (alike blocks
+    share one graph) and the untimed warm-up round compiles. The whole
+    measurement runs with ``torch.compiler.set_stance("force_eager")``, so
+    layers or a model the user compiled run their hooks eagerly, and only our
+    own calls compile. A compiled call keeps other bytes for backward than the
+    eager one (the partitioner saves what it chooses, fused): ``kept_bytes``
+    has, per layer and compiled option, what its compiled call saves (counted
+    through ``saved_tensors_hooks``, each storage once, parameters excluded,
+    the layer's inputs included as the profile counts them), from one more
+    untimed call.
+
+    ``parts``: modules inside the layers (``inside.py``) -> the options to time
+    each under (``keep`` always). Each is timed as a layer is, on its real
+    inputs in the same no-grad forward (never inside the timing of its layer),
+    alike parts once; they take no part in the step with every layer ``full``.
+
     Leaves no trace: RNG streams, buffers (BatchNorm statistics), every
     parameter's ``.grad`` and every module's ``forward`` (a model already wrapped
     is measured unwrapped and gets its very wrappers back) are as they were.
@@ -164,41 +216,108 @@ def measure_layer_times(
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
     modules = dict(model.named_modules())
-    seconds = {name: dict.fromkeys(options, 0.0) for name in names}
+    parts = {name: [o for o in options if o == "keep" or o in timed] for name, timed in (parts or {}).items()}
+    wrong = [name for name in parts if name not in modules or name in names]
+    if wrong:
+        raise ValueError(f"parts {', '.join(map(repr, wrong))}: not modules of {type(model).__name__} apart from the layers")
+    seconds = {name: dict.fromkeys(options, 0.0) for name in names} | {n: dict.fromkeys(o, 0.0) for n, o in parts.items()}
+    kept = {name: dict.fromkeys(compiled or {}, 0) for name in [*names, *parts]}
     cache = {} if cache is None else cache
+    compiled = dict(compiled or {})
+    unknown = sorted(set(compiled) - set(options))
+    if unknown:
+        raise ValueError(f"compiled names {', '.join(map(repr, unknown))}, not options: {', '.join(options)}")
+    runs = _Runs(options, compiled, len(names) + len(parts))
     now = _synchronized(model, clock)
     grads = {p: p.grad for p in model.parameters()}
     try:
-        with side_effect_free(model), checkpointing_disabled(model):
-            _time_layers(modules, names, forward, options, repeats, cache, seconds, now)
-            full_step = _time_full_step(modules, names, forward, options["full"], step_repeats, now)
+        with side_effect_free(model), checkpointing_disabled(model), _eager_unless_ours(compiled):
+            timed = dict.fromkeys(names, list(options)) | parts
+            _time_layers(modules, timed, forward, runs, repeats, cache, seconds, kept, now)
+            full_step = _time_full_step(modules, names, forward, runs, step_repeats, now)
     finally:
         for p, g in grads.items():
             p.grad = g
-    return LayerTimes(seconds, full_step)
+    return LayerTimes(seconds, full_step, compiled, kept if compiled else {}, tuple(parts))
 
 
-def _time_layers(modules: dict[str, nn.Module], names: list[str], forward: Callable[[], Any],
-                 options: Mapping[str, Treatment | None], repeats: int, cache: TimingCache,
-                 seconds: dict[str, dict[str, float]], now: Callable[[], float]) -> None:
-    """Step 1: a no-grad forward whose pre-hooks time each candidate on its real inputs."""
+class _Runs:
+    """How a layer runs under each option when timed: eagerly, or through compiled calls of our own."""
+
+    def __init__(self, options: Mapping[str, Treatment | None], compiled: Mapping[str, str], layers: int) -> None:
+        self.options, self.compiled = options, compiled
+        full = options["full"]
+        # One set of compiled calls per option, shared by every layer: alike layers share one graph.
+        # ``keep`` compiled is the layer's call compiled without a checkpoint (CompiledCalls.uncheckpointed).
+        self.calls = {o: CompiledCalls(backend, options[o] or full, layers) for o, backend in compiled.items()}
+        self.kept: dict[tuple, int] = {}  # (option, signature) -> bytes a compiled call keeps (alike layers: once)
+
+    def key(self, option: str) -> str:
+        """The option as the timing cache names it: ``full``, or ``full compiled (inductor)``."""
+        backend = self.compiled.get(option)
+        return option if backend is None else f"{option} compiled ({backend})"
+
+    def of(self, option: str, module: nn.Module, name: str) -> Callable[..., Any]:
+        treatment, calls = self.options[option], self.calls.get(option)
+        if calls is None:
+            return module.forward if treatment is None else CheckpointedForward(module, treatment, name)
+        if treatment is None:
+            inner = module.forward
+            return _ours(lambda *args, **kwargs: calls.uncheckpointed(inner, args, kwargs, name))
+        return _ours(CheckpointedForward(module, treatment, name, compiled=calls))
+
+
+def _eager_unless_ours(compiled: Mapping[str, str]) -> contextlib.AbstractContextManager:
+    """While timing compiled options: what the user compiled runs eagerly (hooks included), see ``_ours``."""
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
+
+
+def _ours(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with torch.compile's default stance: our compiled calls compile inside ``_eager_unless_ours``."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("default"):
+            return run(*args, **kwargs)
+
+    return call
+
+
+def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[str]], forward: Callable[[], Any],
+                 runs: _Runs, repeats: int, cache: TimingCache, seconds: dict[str, dict[str, float]],
+                 kept: dict[str, dict[str, int]], now: Callable[[], float]) -> None:
+    """Step 1: a no-grad forward whose pre-hooks time each candidate (layer or part) on its real inputs."""
+    busy = []  # while a layer is timed, the hooks of its parts do nothing
 
     def pre(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
+        if busy:
+            return
+        busy.append(name)
+        try:
+            _time_one(module, args, kwargs, name)
+        finally:
+            busy.pop()
+
+    def _time_one(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
         # Alike layers (the blocks of a transformer) are timed once: same class, same parameter
         # shapes, same inputs; a stack of twelve blocks costs one block's timing.
         args, kwargs = without_cache(args, kwargs)  # each timed run must not add to the model's KV cache
         signature = (_kind(module), module.training, *_signature((args, kwargs)))
-        todo = {o: t for o, t in options.items() if (o, signature) not in cache}
+        todo = [o for o in timed[name] if (runs.key(o), signature) not in cache]
         if todo:
-            runs = {o: module.forward if t is None else CheckpointedForward(module, t, name) for o, t in todo.items()}
+            calls = {o: runs.of(o, module, name) for o in todo}
             with torch.enable_grad():
-                times = _time_calls(runs, args, kwargs, list(module.parameters()), repeats, now)
-            cache.update({(o, signature): s for o, s in times.items()})
-        for option in options:
-            seconds[name][option] += cache[(option, signature)]
+                times = _time_calls(calls, args, kwargs, list(module.parameters()), repeats, now)
+            cache.update({(runs.key(o), signature): s for o, s in times.items()})
+        for option in timed[name]:
+            seconds[name][option] += cache[(runs.key(option), signature)]
+        for option in [o for o in runs.compiled if o in timed[name]]:
+            if (option, signature) not in runs.kept:
+                with torch.enable_grad():
+                    runs.kept[(option, signature)] = _kept_bytes(runs.of(option, module, name), module, args, kwargs)
+            kept[name][option] += runs.kept[(option, signature)]
 
     handles = [modules[name].register_forward_pre_hook(
-        lambda m, a, k, name=name: pre(m, a, k, name), with_kwargs=True) for name in names]
+        lambda m, a, k, name=name: pre(m, a, k, name), with_kwargs=True) for name in timed]
     try:
         with torch.no_grad():
             forward()
@@ -229,15 +348,29 @@ def _time_calls(runs: dict[str, Callable[..., Any]], args: tuple, kwargs: dict, 
     return {option: statistics.median(s) for option, s in samples.items()}
 
 
+def _kept_bytes(run: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes one call of ``run`` keeps for backward: what it saves (each storage once, the module's
+    parameters and buffers excluded) and its inputs, which every option holds (``profile.py``)."""
+    counter = SavedCounter(module)
+    inputs_args, inputs_kwargs = tree_map(_fresh, (args, kwargs))
+    for t in tree_leaves((inputs_args, inputs_kwargs)):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            counter.add(t)
+    with counter.hooks():
+        out = run(*inputs_args, **inputs_kwargs)
+    del out
+    return counter.result.total
+
+
 def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Callable[[], Any],
-                    full: Treatment, repeats: int, now: Callable[[], float]) -> float:
+                    runs: _Runs, repeats: int, now: Callable[[], float]) -> float:
     """Step 2: median seconds of ``repeats`` real steps (forward and backward) with every candidate ``full``."""
     previous = {name: modules[name].__dict__.get("forward") for name in names}
     params = list(modules[""].parameters())
     samples = []
     try:
         for name in names:
-            modules[name].__dict__["forward"] = CheckpointedForward(modules[name], full, name)
+            modules[name].__dict__["forward"] = runs.of("full", modules[name], name)
         for step in range(repeats):
             for p in params:
                 p.grad = None

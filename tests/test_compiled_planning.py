@@ -1,0 +1,213 @@
+"""``ckpt=auto`` plans the step the user runs: options timed compiled where the step compiles them.
+
+- which options are timed compiled, for every ``ckpt.timing`` with and without
+  ``ckpt.compile`` and a model the user compiled (``timed_compiled``);
+- what counts as compiled by the user: ``torch.compile(model)``, ``Module.compile()``
+  on a layer or a parent of it, a compiled child module, Lightning's ``from_compiled``;
+- ``measure_layer_times(compiled=...)`` compiles each option once for all alike
+  blocks (a counting backend over ``aot_eager``: exactly three graphs for four
+  blocks), leaves the model, its gradients and torch.compile's stance as they were,
+  and runs what the user compiled eagerly while it measures (no graph of theirs);
+- ``apply_checkpointing(mode="auto", timing=...)`` on a GPT whose blocks the user
+  compiled: the plan says how it was timed, and the compiled, checkpointed step's
+  loss and gradients are bitwise those of the same compiled model without the plugin.
+
+``aot_eager`` throughout (dynamo's capture and AOTAutograd's partition without
+inductor's C++ build); ``ckpt-bench``'s compiled entry times through inductor.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import compiled_backward_bytes, gpt_batch, small_gpt
+from lightning.pytorch.utilities.compile import from_compiled
+from torch._dynamo.backends.registry import lookup_backend
+
+from ckpt_plugin import apply_checkpointing, remove_checkpointing
+from ckpt_plugin._compat import compiled_by_user
+from ckpt_plugin.config.plan import timed_compiled
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.engine.regional import CompiledCalls
+from ckpt_plugin.planning.profile import profile, treatment, with_times
+from ckpt_plugin.planning.timing import _kept_bytes, measure_layer_times
+from ckpt_tools.workloads import MODELS, build
+
+BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+ALL = dict.fromkeys(OPTIONS, "inductor")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _auto(**keys):
+    return make_config(**{"mode": "auto", "layers": "blocks.*", "budget": 0.5} | keys)
+
+
+@pytest.mark.parametrize(("keys", "user_compiled", "expected"), [
+    ({}, False, {}),
+    ({}, True, ALL),
+    ({"compile": "aot_eager"}, False, {"selective": "aot_eager", "full": "aot_eager"}),
+    ({"compile": True}, True, ALL),
+    ({"timing": "eager"}, True, {}),
+    ({"timing": "eager", "compile": True}, False, {}),
+    ({"timing": "compiled"}, False, ALL),
+    ({"timing": "aot_eager"}, False, dict.fromkeys(OPTIONS, "aot_eager")),
+    ({"timing": "aot_eager", "compile": True}, False, {"selective": "aot_eager", "full": "aot_eager"}),
+], ids=["eager-step", "user-compiled", "regional", "regional-in-user-compiled", "forced-eager",
+        "forced-eager-regional", "compiled", "named-backend", "named-backend-regional"])
+def test_the_options_are_timed_as_the_step_runs_them(keys, user_compiled, expected) -> None:
+    config = _auto(**keys)
+    from ckpt_plugin.engine.regional import backend_of
+
+    assert timed_compiled(config, backend_of(config.compile), user_compiled) == expected
+
+
+def test_what_the_user_compiled_is_seen() -> None:
+    assert not compiled_by_user(small_gpt(), BLOCKS)
+    model = small_gpt()
+    assert compiled_by_user(torch.compile(model, backend="aot_eager"), BLOCKS)  # the whole model
+    model.blocks[2].compile(backend="aot_eager")  # one layer, in place
+    assert compiled_by_user(model, ["blocks.2"]) and not compiled_by_user(model, ["blocks.1"])
+    parent = small_gpt()
+    parent.blocks.compile(backend="aot_eager")  # a parent of the layers
+    assert compiled_by_user(parent, BLOCKS)
+    child = small_gpt()
+    child.blocks[0] = torch.compile(child.blocks[0], backend="aot_eager")  # a compiled module put in its place
+    assert compiled_by_user(child, ["blocks.0._orig_mod"])
+    lightning = small_gpt()
+    from_compiled(torch.compile(lightning, backend="aot_eager"))  # what trainer.fit(torch.compile(model)) keeps
+    assert compiled_by_user(lightning, BLOCKS)
+
+
+class CountingBackend:
+    """aot_eager, counting the graphs it compiles (forward graphs; each backward is compiled with its forward)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.inner = lookup_backend("aot_eager")
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs)
+
+
+def test_each_option_compiles_once_for_all_alike_blocks_and_leaves_no_trace() -> None:
+    model = small_gpt(dropout=0.0)
+    model.blocks[1].compile(backend="aot_eager")  # the user's own compile: run eagerly while measuring
+    batch = gpt_batch(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    counting = CountingBackend()
+    torch._dynamo.utils.counters.clear()
+    times = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                                repeats=1, compiled=dict.fromkeys(OPTIONS, counting))
+    assert counting.graphs == 3  # keep, selective and full: one graph each for the four alike blocks
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3  # nothing of the user's compiled
+    assert set(times.seconds) == set(BLOCKS) and all(set(row) == set(OPTIONS) for row in times.seconds.values())
+    assert times.how.startswith("keep and selective and full compiled (")
+    assert all(p.grad is None for p in model.parameters())
+    assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == forwards
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.compiler.is_compiling()
+    # torch.compile's stance is its default again: the user's compiled block compiles when called.
+    model.loss(batch)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
+
+
+def test_only_the_options_asked_run_compiled() -> None:
+    model = small_gpt(dropout=0.0, n_layer=2)
+    batch = gpt_batch(model)
+    counting = CountingBackend()
+    times = measure_layer_times(model, BLOCKS[:2], lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                                repeats=1, compiled={"selective": counting, "full": counting})
+    assert counting.graphs == 2
+    assert times.how == f"selective and full compiled ({counting}), keep eager"
+    with pytest.raises(ValueError, match=r"compiled names 'al', not options: keep, selective, full"):
+        measure_layer_times(model, BLOCKS[:2], lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                            compiled={"al": "aot_eager"})
+
+
+def test_auto_on_a_model_the_user_compiled_plans_compiled_and_trains_bitwise(caplog) -> None:
+    torch.manual_seed(0)
+    plain, ours = small_gpt(dropout=0.1), small_gpt(dropout=0.1)
+    for model in (plain, ours):
+        for block in model.blocks:
+            block.compile(backend="aot_eager", fullgraph=True)
+    batch = gpt_batch(plain)
+    caplog.set_level(logging.INFO, logger="ckpt_plugin")
+    wrapped = apply_checkpointing(ours, layers="blocks.*", mode="auto", budget=0.6, timing="aot_eager")
+    assert wrapped
+    assert "measured layer by layer, keep and selective and full compiled (aot_eager))" in caplog.text
+    losses = []
+    for model in (plain, ours):
+        torch.manual_seed(3)
+        loss = model.loss(batch)
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    remove_checkpointing(ours)
+
+
+def test_compiled_options_keep_what_their_compiled_backward_saves() -> None:
+    """``kept_bytes`` of a compiled option: its compiled call's saved tensors, read here off autograd's
+    ``CompiledFunctionBackward`` node instead of through saved-tensor hooks, plus the block's input."""
+    model = small_gpt(dropout=0.0, n_layer=2)
+    batch = gpt_batch(model)
+    times = measure_layer_times(model, BLOCKS[:2], lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                                repeats=1, compiled=dict.fromkeys(OPTIONS, "aot_eager"))
+    inputs = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    with torch.no_grad():
+        model.loss(batch)
+    handle.remove()
+    calls = {o: CompiledCalls("aot_eager", treatment(o) or treatment("full"), 2) for o in OPTIONS}
+    for option in OPTIONS:
+        x = inputs[0].detach().requires_grad_(True).clone()
+        holder = torch.nn.Module()  # the block's weights and its input: not counted as saved (the input comes after)
+        holder.block = model.blocks[0]
+        holder.register_buffer("x", x)
+        if option == "keep":
+            out = calls[option].uncheckpointed(model.blocks[0].forward, (x,), {}, "blocks.0")
+        else:
+            out = calls[option].checkpointed(model.blocks[0].forward, (x,), {}, "blocks.0")
+        saved, nodes = compiled_backward_bytes(out.sum(), holder)
+        assert nodes == 1
+        assert times.kept_bytes["blocks.0"][option] == saved + x.untyped_storage().nbytes(), option
+    assert times.kept_bytes["blocks.0"] == times.kept_bytes["blocks.1"]  # alike blocks: measured once
+    # The same count of the eager call is the profile's kept bytes (fake tensors, MemTracker's way), so a compiled
+    # option's count can stand in for its eager one in the plan (profile.with_times).
+    eager = profile(model, BLOCKS[:2], lambda: model.loss(batch))
+    x = inputs[0].detach().requires_grad_(True).clone()
+    assert _kept_bytes(model.blocks[0].forward, model.blocks[0], (x,), {}) == eager.layers[0].options["keep"].kept_bytes
+
+
+def test_the_plan_counts_the_bytes_the_compiled_options_keep() -> None:
+    quick = build(MODELS["gpt"], "none", quick=True)  # ckpt-bench --quick's GPT: 64 tokens, width 64
+    model, batch = quick.model, quick.batch
+    eager = profile(model, BLOCKS, lambda: model.loss(batch))
+    times = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                                repeats=1, compiled={"keep": "aot_eager", "full": "aot_eager"})
+    planned = with_times(eager, times)
+    shift = 0
+    for before, after in zip(eager.layers, planned.layers, strict=True):
+        compiled = times.kept_bytes[after.name]
+        assert after.options["selective"].kept_bytes == before.options["selective"].kept_bytes  # timed eagerly
+        for option in ("keep", "full"):
+            delta = compiled[option] - before.options[option].kept_bytes
+            assert after.options[option].kept_bytes == compiled[option]
+            assert after.options[option].running_bytes == before.options[option].running_bytes + delta
+        shift += compiled["keep"] - before.options["keep"].kept_bytes
+    assert shift < 0  # compiled, a kept block keeps less: the partitioner recomputes cheap ops
+    assert planned.no_ckpt_peak == eager.no_ckpt_peak + shift  # a fraction budget is of the step as it runs
+    assert planned.timed_as == "keep and full compiled (aot_eager), selective eager"
