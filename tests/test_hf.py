@@ -240,7 +240,9 @@ def test_auto_plans_a_decoder_lm_called_with_its_default_cache() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         names = apply_checkpointing(ours, layers="auto", mode="auto", budget=0.5)
-    assert names and all(type(ours.get_submodule(n)).__name__ == "LlamaDecoderLayer" for n in names), names
+    layers = [n for n, m in ours.named_modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    # The decoder layers, or parts of them (ckpt=auto may checkpoint inside a layer: planning/inside.py).
+    assert names and all(any(n == x or n.startswith(x + ".") for x in layers) for n in names), names
     assert [str(w.message) for w in caught if str(w.message).startswith("ckpt_plugin")] == []  # planning is silent
     loss, grads, _, _ = train_step(plain, kwargs)
     our_loss, our_grads, our_cache, warned = train_step(ours, kwargs)

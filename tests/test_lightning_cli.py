@@ -49,7 +49,7 @@ RUNS = {
 }
 FIT_DONE = "`Trainer.fit` stopped: `max_steps=2` reached."
 _TABLE = re.compile(r"^Activation checkpointing wrapped (\d+) module\(s\) of Model; saved activations of one forward:\n"
-                    r"  module +class +without +with\n((?:  blocks\.\d+ .*\n)*)", re.M)
+                    r"  module +class +without +with\n((?:  blocks\.\d+\S* .*\n)*)", re.M)
 
 
 class Runs:
@@ -143,7 +143,8 @@ def test_yaml_config_wraps_every_block(runs: Runs) -> None:
 
 def test_command_line_flags_configure_the_callback(runs: Runs) -> None:
     out = runs.ok("flags")
-    assert wrapped(out) == {"blocks.1": "Block", "blocks.3": "Block"}  # every_n=2, both needed for budget=0.75
+    # every_n=2, both needed for budget=0.75: each block, or a part of it (ckpt=auto may go inside a block)
+    assert {".".join(name.split(".")[:2]) for name in wrapped(out)} == {"blocks.1", "blocks.3"}
     assert FIT_DONE in out
     # ckpt=auto says what it does before it profiles, then what it chose, then what it wrapped
     measuring = out.index("ckpt=auto: measuring the candidate layers (memory on fake tensors, step time one layer "

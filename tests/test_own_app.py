@@ -304,7 +304,7 @@ def test_the_readme_app_plans_auto_on_its_first_batch(runs) -> None:
             "first training batch.") in out
     assert "ckpt=auto plan:" in out and re.search(r"predicted activation peak .* <= budget", out), out[-4000:]
     # the ckpt.layers default of the app's config chose the candidates
-    assert re.findall(r"^(blocks\.\d) +(?:keep|full|selective) ", out, re.M) == [f"blocks.{i}" for i in range(4)]
+    assert re.findall(r"^(blocks\.\d) +(?:keep|full|selective|inside) ", out, re.M) == [f"blocks.{i}" for i in range(4)]
 
 
 def test_help_lists_the_groups_a_user_chooses(runs) -> None:

@@ -47,7 +47,7 @@ from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
-from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.planning.planner import OPTIONS, Profile, smallest_peak
 from ckpt_plugin.planning.profile import INSIDE_DEPTH, chain_costs, profile, wrap_plan
 from ckpt_plugin.planning.rotor import Unreachable, simulate, solve
 
@@ -94,7 +94,10 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         # compiled call inside a compiled layer is not planned for.
         depth = INSIDE_DEPTH if not compiled and backend is None else 0
         measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth)
-        chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
+        try:
+            chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
+        except ConfigError as err:  # below what one option per layer reaches: a chain can nest regions
+            return _chain_instead(model, config, names, forward, note, err, backend, measured)
         plan = wrap_plan(chosen, config.preserve_rng_state)
         summary = plan.summary
         if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
@@ -158,15 +161,51 @@ def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Ca
     return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
 
 
-def _unreachable(budget: int, least: int, reference: int) -> str:
-    """Why ``budget`` bytes cannot be met by ``segments=optimal``: the least peak, as a budget that can be typed back."""
+def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any], note: str,
+                   refused: ConfigError, backend: str | None, measured: Profile) -> WrapPlan:
+    """``ckpt=auto`` below the least peak of one option per layer: Rotor's schedule over the layers, if they
+    form a chain (checked where they sit and on the sample, as ``ckpt.segments`` is) and it fits the budget.
+
+    Nested regions recompute more FLOPs than any per-layer plan that fits, so they are
+    only the answer where none fits; their cost is recomputed FLOPs (``rotor.py``). Not
+    with ``ckpt.compile`` (a region spans several layers' calls: nothing to compile as one).
+    """
+    full = Treatment(checkpointing=True, preserve_rng_state=config.preserve_rng_state)
+    if backend is not None:
+        raise refused
+    try:
+        check_plan(model, WrapPlan((Segments(tuple(names), 1, full),)))
+        problems = chain_problems(model, names, forward)
+    except ConfigError:
+        raise refused from None
+    if problems:
+        raise refused
+    costs, none_peak = chain_costs(model, names, lambda: scalar(forward()))
+    limit = resolve(parse_budget(config.budget), none_peak)
+    try:
+        solution = solve(costs, limit, names)
+    except Unreachable as err:
+        if err.least >= smallest_peak(measured.layers, measured.rest_running):
+            raise refused from None  # its least peak is the least of the two
+        raise ConfigError([Problem("ckpt.budget", _unreachable(
+            limit, err.least, none_peak, "ckpt=auto", "of regions nested over the chain, below any one option per layer"))]) from err
+    lines = [f"ckpt=auto: no choice of keep, selective or full per layer fits ckpt.budget={config.budget} "
+             f"({format_bytes(limit)}); the {len(names)} layers form a chain, so it nests checkpointed regions "
+             "over them: Rotor's schedule, the least recomputed FLOPs that fit", str(solution)]
+    group = Segments(tuple(names), solution.schedule, full)
+    return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
+
+
+def _unreachable(budget: int, least: int, reference: int, by: str = "ckpt.segments=optimal",
+                 reaching: str = "any schedule of the chain") -> str:
+    """Why ``budget`` bytes cannot be met ``by`` a mode: the least peak, as a budget that can be typed back."""
     fraction = math.ceil(least / reference * 100) / 100
     if int(fraction * reference) < least:  # the float's rounding, not the user's
         fraction += 0.01
     return (f"ckpt.budget: {budget} bytes ({format_bytes(budget)}, {budget / reference:.2f} of the activation peak "
-            f"without checkpointing, {format_bytes(reference)}) cannot be met by ckpt.segments=optimal: the least "
-            f"peak any schedule of the chain reaches is {least} bytes ({format_bytes(least)}, {least / reference:.2f}); raise "
-            f"ckpt.budget to at least {min(fraction, 1):g} or {least}B")
+            f"without checkpointing, {format_bytes(reference)}) cannot be met by {by}: the least peak {reaching} "
+            f"reaches is {least} bytes ({format_bytes(least)}, {least / reference:.2f}); raise ckpt.budget to at "
+            f"least {min(fraction, 1):g} or {least}B")
 
 
 def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool) -> dict[str, str]:

@@ -2,40 +2,58 @@
 
 A layer's three options (``planner.py``) cannot go below what ``full`` on it
 reaches: its recomputation holds everything the layer keeps, at once. Its
-parts can split that. ``profile.py`` measures each part of a layer as it
-measures the layers (fake tensors, every part under one option at a time,
-with the layer and its parts recorded as windows) and the layer's own ops
-around its parts (its *glue*: a residual add, a functional ReLU); here a
-dynamic programme over the parts, in the order they run, turns those numbers
-into more options for the layer, which the planner then weighs with the rest:
+parts can split that. ``profile.py`` measures the parts of the layers as it
+measures the layers (fake tensors, every part of one level under one option
+at a time, the levels above recorded as windows, unwrapped) and each layer's
+own ops around its parts (its *glue*: a residual add, a functional ReLU);
+here a dynamic programme over the parts, in the order they run, turns those
+numbers into more options for the layer, which the planner weighs with the rest:
 
 - ``inside#k``: the layer runs unwrapped, each part under its own option;
 - ``full+inside#k``: the layer is ``full`` and, inside its recomputation,
   each part under its own option (nested checkpoints: the layer keeps only its
   inputs, and its recomputation holds what the parts keep, not what it keeps).
 
-A part's options are the same three (and, where its parts were measured, its
-own inside options), so the programme recurses. The peak model is the
-planner's one level down: while part ``j`` runs (or recomputes) the parts
-before it keep what they keep, plus its running bytes, and while the glue
-after part ``j`` runs, parts ``1..j`` keep theirs, plus the glue's running
-bytes, which hold what the glue keeps so far::
+    python recipes/train.py ckpt=auto ckpt.layers=TransformerBlock ckpt.budget=0.1   # below full's 0.12
+
+A part's options are the same three and, where its parts were measured, its
+own inside options, so the programme recurses (``profile.INSIDE_DEPTH``
+levels). The peak model is the planner's, one level down: while part ``j``
+runs (or recomputes) the parts before it keep what they keep, plus its
+running bytes; while the glue after part ``j`` runs, parts ``1..j`` keep
+theirs, plus the glue's running bytes, which hold what the glue keeps so far::
 
     running(inside) = max(max_j(kept[1..j-1] + running[j]), max_j(kept[1..j] + glue_running[j]))
     kept(inside) = glue_kept + kept[1] + ... + kept[k]
 
+A part's running bytes count what is alive beyond the keeps of the windows
+that ended before it began (``profile._Recorder.analyse``), so what its
+layer's glue keeps, or a later part keeps already, is in them. A tensor that
+the glue and a part both keep is the layer's (the glue keeps it whatever the
+part's option), and a part left unwrapped keeps of its inputs only what its
+ops save (a ReLU saves its output, not its input).
+
 For ``full+inside`` the layer keeps what ``full`` keeps and its running bytes
 are the larger of its forward under checkpoint (nothing kept inside) and the
-same inside chain, which its recomputation runs, in backward: there every
-unit of the chain also holds what outlives the forward until backward ends
-(the loss, the targets: ``Chain.held``), so each part's and the glue's
-numbers are taken as they are in backward (``Cost.backward_running``: a
-part's forward plus ``held``, or its own recomputation). Recompute FLOPs and seconds
-add up: the parts' own, plus the layer's full recomputation for the nested
-option. The programme keeps, part after part, every choice no other beats in
-(bytes kept so far, peak so far, cost): exact, and small, since a layer has a
-few parts with a few options each; each option it returns is one of those,
-no other option of the layer beating it in kept bytes, running bytes and cost.
+same chain, which its recomputation runs in backward: there every unit also
+holds what outlives the forward until backward (the loss, its targets:
+``Chain.held``), so each part is taken as it is in backward
+(``Cost.backward_running``: its forward plus ``held``, or its own
+recomputation). Recompute FLOPs and seconds add up: the parts' own, plus the
+layer's full recomputation for the nested option.
+
+The programme keeps, part after part, every choice no other beats in (bytes
+kept so far, peak so far, peak so far in backward, cost): exact, and small,
+since a layer has a few parts with a few options each. Exact to the byte
+against MemTracker on the example GPT and ResNet (``tests/test_inside.py``);
+where a model's glue shares tensors with its parts in ways one number per
+part cannot describe, ``Profile.plan`` measures the plan it chose.
+
+Parts help where a layer's recomputation holds much its parts need not hold
+at once: a transformer block (attention, MLP) below ``full``'s peak. They
+cannot split a layer whose every kept tensor is the input of the next op (the
+example ResNet's ``Bottleneck``: each convolution and BatchNorm keeps its
+input, and ReLU its output, whatever is checkpointed around them).
 """
 
 from __future__ import annotations

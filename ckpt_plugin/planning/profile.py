@@ -14,7 +14,11 @@ measured on real tensors one layer at a time. :func:`plan` (``planner.py``)
 then picks the options with the least added step time (FLOPs without a
 timing) whose predicted activation peak fits, exactly: a dynamic programme,
 no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and no
-``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it).
+``torch.compile`` (torchtitan's ``MemoryBudgetAC`` needs it). With ``depth``
+(``ckpt=auto``: ``INSIDE_DEPTH``), the layers' parts (child modules, and
+theirs) are measured and timed the same way, level by level, and become more
+options of their layer (``inside.py``): checkpointed inside it, so that a
+budget under what ``full`` on a layer reaches can be met.
 
 The peak model (``planner.py``), in activation bytes as MemTracker counts them
 (storages made by ops in forward, or by recomputation in backward), with the
@@ -179,8 +183,12 @@ class _Recorder(TorchDispatchMode):
                 self.events.append(("pack", uid, owner or (self.stack[-1] if self.stack else REST)))
         return t
 
-    def window(self, name: str, inner: Callable[..., Any]) -> Callable[..., Any]:
-        """``inner`` (the layer's forward) labelled ``name`` in forward and in its recomputation."""
+    def window(self, name: str, inner: Callable[..., Any], inputs: bool = True) -> Callable[..., Any]:
+        """``inner`` (the layer's forward) labelled ``name`` in forward and in its recomputation.
+
+        ``inputs``: count its inputs kept by it (see ``run``); False for a part left
+        unwrapped, which keeps of its inputs only what its own ops save.
+        """
 
         def run(*args: Any, **kwargs: Any) -> Any:
             recompute = not self.counting  # only backward stops counting; only recomputation runs forwards there
@@ -191,7 +199,7 @@ class _Recorder(TorchDispatchMode):
                 # Checkpoint holds the inputs for recomputation; count them kept under every
                 # option (without checkpointing a layer usually saves its input anyway), so that
                 # what one layer keeps never depends on another's option.
-                for t in tree_leaves((args, kwargs)):
+                for t in tree_leaves((args, kwargs)) if inputs else ():
                     self.keep(t, name)
                 if outer:
                     self._enter(name)
@@ -264,6 +272,9 @@ class _Recorder(TorchDispatchMode):
             # as the rest keeps it, whatever the layer's option, so counted once, in the rest. Kept by
             # two layers (a block that saves its output, the next one's input): counted once, in the
             # later one, which keeps its input under every option.
+            # Kept by a layer's own ops and by a part of it (a ReLU's input, a matmul output a selective
+            # part saves too): the layer keeps it whatever the part's option, so it is the layer's.
+            names = {n for n in names if not any(n.startswith(a + ".") for a in names)}
             owner = REST if REST in names else max(names, key=lambda n: rank.get(n, len(rank)))
             kept_by[owner] += self.sizes[uid]
             owners[uid] = {owner}
@@ -343,8 +354,12 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
             module = modules[name]
             # Labelled inside checkpoint (its recomputation runs the inner forward only) and
             # outside it (checkpoint saves the layer's inputs before calling the inner forward).
-            module.__dict__["forward"] = recorder.window(name, module.forward)
-            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how[chosen[name]], name))
+            # A part (``around`` given) left unwrapped keeps of its inputs what its ops save: with the
+            # rule above for its layer's inputs, a tensor is never counted less than it is kept.
+            inputs = not around or how[chosen[name]].checkpointing
+            module.__dict__["forward"] = recorder.window(name, module.forward, inputs)
+            module.__dict__["forward"] = recorder.window(name, CheckpointedForward(module, how[chosen[name]], name),
+                                                         inputs)
         with side_effect_free(model), fake or contextlib.nullcontext(), mode, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.keep, lambda t: t):
                 outputs = [t for t in tree_leaves(forward()) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -418,6 +433,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         no_ckpt_peak=memory["keep"][2],
         parts=parts,
         chains=chains,
+        measure=(lambda chosen: _plan_peak(model, forward, chosen.choices, fake)) if chains else None,
     )
     if not timed:
         return _with_inside(measured)
@@ -460,13 +476,18 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
             break
         around = [name for above in levels for name in above]
         try:
-            recorders = {o: _step(model, level, forward, o, flops=False, fake=mode, around=around) for o in OPTIONS}
-            flops = {o: _step(model, level, forward, o, flops=True, fake=mode, around=around).flops
-                     if o != "keep" else {} for o in OPTIONS}
+            steps = _parts_steps(model, level, forward, mode, around)
+            twice = {part for part in level if steps["keep"][0].calls[part] > 1}
+            if twice:  # a part called twice (a shared drop-path) is no candidate: its calls are its layer's own ops
+                level = [part for part in level if part not in twice]
+                steps = _parts_steps(model, level, forward, mode, around) if level else {}
         except Exception as err:  # noqa: BLE001 -- parts are an extra: the layers' own options stand
             log.debug("ckpt=auto: no candidates inside %s: checkpointing its parts fails (%s: %s)",
                       ", ".join(levels[-1][:3]), type(err).__name__, err)
             break
+        if not level:
+            break
+        recorders, flops = {o: r for o, (r, _) in steps.items()}, {o: f for o, (_, f) in steps.items()}
         kept = {o: r.analyse()[0] for o, r in recorders.items()}
         keep = recorders["keep"]
         held = max(r.late_alive for r in recorders.values())  # the loss: alive in backward, where a recomputation runs
@@ -489,6 +510,21 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
                 forward_running[part] = recorders["full"].unit_forward.get((part, 0), 0)
         levels.append([part for part in level if part in parts])
     return parts, chains
+
+
+def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, str], fake: bool) -> int:
+    """The activation peak of one step with ``choices`` on (a plan's: nested names nest), measured as profiled."""
+    with (cache_warnings_silenced(), checkpointing_disabled(model),
+          fake_measurement(model, "ckpt=auto's profile") as mode):
+        return _step(model, list(choices), forward, dict(choices), flops=False, fake=mode if fake else None).analyse()[2]
+
+
+def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any], mode: Any,
+                 around: list[str]) -> dict[str, tuple[_Recorder, dict[str, int]]]:
+    """Option -> (the memory step's recorder, recomputed FLOPs by part) with every part of ``level`` under it."""
+    return {o: (_step(model, level, forward, o, flops=False, fake=mode, around=around),
+                _step(model, level, forward, o, flops=True, fake=mode, around=around).flops if o != "keep" else {})
+            for o in OPTIONS}
 
 
 def _with_inside(measured: Profile) -> Profile:
