@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from conftest import FAST, TINY_GPT, compose_train
+from conftest import FAST, TINY_GPT, compose_train, gpt_batch, small_gpt
 from torch import nn
 
 from ckpt_plugin import (
@@ -329,3 +329,36 @@ def test_optimal_through_hydra_and_the_trainer(tmp_path, monkeypatch, caplog) ->
     assert re.search(r"schedule \(\d+ checkpointed regions?\): \[", out)
     callback = next(c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing))
     assert callback.wrapped == [f"blocks.{i}" for i in range(4)] and callback.planned.predicted_peak > 0
+
+
+# ----------------------------------------------------------------------------- inside ckpt=auto
+
+
+def test_auto_below_what_per_layer_plans_reach_nests_regions_over_the_chain() -> None:
+    """An 8-block GPT: one option per block (or inside it) reaches 0.139 of the peak without
+    checkpointing, nested regions 0.126; ckpt=auto at 0.13 installs Rotor's schedule."""
+    plain, model = small_gpt(dropout=0.0, n_layer=8), small_gpt(dropout=0.0, n_layer=8)
+    batch = gpt_batch(model)
+    config = make_config(mode="auto", layers="blocks.*", budget=0.13)
+    plan = plan_for(model, config, lambda: model.loss(batch))
+    (group,) = plan.groups
+    assert isinstance(group, Segments) and any(isinstance(n, Region) for n in group.segments)
+    assert "no choice per layer (keep, selective, full, or parts of it) fits ckpt.budget=0.13" in plan.summary
+    assert "Rotor's schedule" in plan.summary
+    install(model, plan)
+
+    def step(m):
+        torch.manual_seed(5)
+        m.loss(batch).backward()
+
+    none_peak = step_memory(lambda: step(plain), plain)["act"]
+    assert step_memory(lambda: step(model), model)["act"] <= 0.13 * none_peak
+    for p in (*plain.parameters(), *model.parameters()):
+        p.grad = None
+    step(plain), step(model)
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    with pytest.raises(ConfigError, match=r"cannot be met by ckpt=auto: the least peak of regions nested over the "
+                       r"chain, below any one option per layer reaches is \d+ bytes .*, 0\.13\); raise ckpt\.budget "
+                       r"to at least 0\.13 or \d+B"):
+        plan_for(plain, make_config(mode="auto", layers="blocks.*", budget=0.12), lambda: plain.loss(batch))

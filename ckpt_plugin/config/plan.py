@@ -189,7 +189,7 @@ def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forwa
             raise refused from None  # its least peak is the least of the two
         raise ConfigError([Problem("ckpt.budget", _unreachable(
             limit, err.least, none_peak, "ckpt=auto", "of regions nested over the chain, below any one option per layer"))]) from err
-    lines = [f"ckpt=auto: no choice of keep, selective or full per layer fits ckpt.budget={config.budget} "
+    lines = [f"ckpt=auto: no choice per layer (keep, selective, full, or parts of it) fits ckpt.budget={config.budget} "
              f"({format_bytes(limit)}); the {len(names)} layers form a chain, so it nests checkpointed regions "
              "over them: Rotor's schedule, the least recomputed FLOPs that fit", str(solution)]
     group = Segments(tuple(names), solution.schedule, full)
