@@ -155,7 +155,7 @@ def test_the_checkpoint_records_the_keys_and_what_was_wrapped(saved: Path) -> No
     checkpoint = torch.load(saved, weights_only=True)  # plain Python: loads without unpickling our classes
     assert checkpoint["callbacks"] == {"ActivationCheckpointing": {
         "config": {"layers": ["Block"], "every_n": 1, "mode": "full", "preserve_rng_state": True,
-                   "check_recompute": False, "segments": None, "offload": False, "deepspeed": None,
+                   "check_recompute": False, "segments": None, "budget": None, "offload": False, "deepspeed": None,
                    "compile": False},
         "wrapped": BLOCKS,
         "version": ckpt_plugin.__version__,
