@@ -90,14 +90,19 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         forward = forward or _sample_forward(model)
         backend = backend_of(config.compile)
         compiled = timed_compiled(config, backend, compiled_by_user(given, names))
-        # Parts of the layers are candidates too (planning/inside.py), where the step runs eagerly: a part's
-        # compiled call inside a compiled layer is not planned for.
-        depth = INSIDE_DEPTH if not compiled and backend is None else 0
-        measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth)
+        measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled)
         try:
             chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
-        except ConfigError as err:  # below what one option per layer reaches: a chain can nest regions
-            return _chain_instead(model, config, names, forward, note, err, backend, measured)
+        except ConfigError:
+            if compiled or backend is not None:  # parts and regions are planned for eager steps only
+                raise
+            # Below what one option per layer reaches, the layers' parts become candidates too (inside.py):
+            # measured only then, as they double the profile's cost, then nested regions over a chain.
+            measured = profile(model, names, lambda: scalar(forward()), timed=True, depth=INSIDE_DEPTH)
+            try:
+                chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
+            except ConfigError as err:
+                return _chain_instead(model, config, names, forward, note, err, measured)
         plan = wrap_plan(chosen, config.preserve_rng_state)
         summary = plan.summary
         if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
@@ -162,17 +167,16 @@ def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Ca
 
 
 def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any], note: str,
-                   refused: ConfigError, backend: str | None, measured: Profile) -> WrapPlan:
+                   refused: ConfigError, measured: Profile) -> WrapPlan:
     """``ckpt=auto`` below the least peak of one option per layer: Rotor's schedule over the layers, if they
     form a chain (checked where they sit and on the sample, as ``ckpt.segments`` is) and it fits the budget.
 
     Nested regions recompute more FLOPs than any per-layer plan that fits, so they are
-    only the answer where none fits; their cost is recomputed FLOPs (``rotor.py``). Not
-    with ``ckpt.compile`` (a region spans several layers' calls: nothing to compile as one).
+    only the answer where none fits; their cost is recomputed FLOPs (``rotor.py``). Eager
+    steps only: a region spans several layers' calls, opened and closed by hooks, which
+    ``torch.compile`` cannot capture as one graph (nor ``ckpt.compile`` compile as one call).
     """
     full = Treatment(checkpointing=True, preserve_rng_state=config.preserve_rng_state)
-    if backend is not None:
-        raise refused
     try:
         check_plan(model, WrapPlan((Segments(tuple(names), 1, full),)))
         problems = chain_problems(model, names, forward)
