@@ -16,14 +16,13 @@ from math import comb
 
 import pytest
 import torch
-from torch import nn
 
 from ckpt_plugin._compat import CategoryPeakTracker
 from ckpt_plugin.engine import revolve
 from ckpt_plugin.engine.scan import checkpoint_scan
 from ckpt_plugin.measure.memory import saved_bytes, step_memory
+from scan_cells import DIM, Cell, dropout_step, make_init, step
 
-BATCH, DIM = 4, 16  # carry (BATCH, DIM)
 STEPS = [1, 2, 3, 5, 10, 37, 100, 1000]
 SNAPSHOTS = range(1, 11)
 
@@ -177,30 +176,6 @@ def test_schedule_rejects_non_positive_arguments() -> None:
 # --------------------------------------------------------------------------- #
 
 
-class Cell(nn.Module):
-    """tanh(h @ W + b); weights are parameters so the measuring helpers can exclude them."""
-
-    def __init__(self, dtype: torch.dtype = torch.float64, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(torch.randn(DIM, DIM, generator=g, dtype=dtype) / DIM**0.5)
-        self.bias = nn.Parameter(0.1 * torch.randn(DIM, generator=g, dtype=dtype))
-
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weight, self.bias
-
-    def forward(self, carry: torch.Tensor) -> torch.Tensor:
-        return step(carry, self.weight, self.bias)
-
-
-def step(carry: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(carry @ weight + bias)  # (BATCH, DIM)
-
-
-def dropout_step(carry: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.dropout(step(carry, weight, bias), p=0.2, training=True)
-
-
 class Counted:
     """``fn`` that counts its calls, with grad and without (one instance per test: no shared counter)."""
 
@@ -213,11 +188,6 @@ class Counted:
         else:
             self.without += 1
         return self.fn(carry, *args)
-
-
-def make_init(dtype: torch.dtype = torch.float64, requires_grad: bool = True) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, DIM, generator=g, dtype=dtype).requires_grad_(requires_grad)
 
 
 def plain_loop(fn, init: torch.Tensor, n_steps: int, non_sequences=()) -> torch.Tensor:
@@ -242,7 +212,7 @@ RUNS = [(n, k) for n in (1, 2, 5, 10, 37) for k in (1, 2, 3, 5, 10)] + [(100, 3)
 
 @pytest.mark.parametrize(("n_steps", "k"), RUNS)
 def test_calls_of_fn_and_gradients_bitwise(n_steps: int, k: int) -> None:
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     wanted = [init, *cell.weights()]
     expected_h = plain_loop(step, init, n_steps, cell.weights())
     expected = torch.autograd.grad(loss_of(expected_h), wanted)
@@ -268,7 +238,7 @@ def test_float32_and_backward_into_grad_attributes() -> None:
 
 
 def test_init_without_grad_and_non_tensor_non_sequences() -> None:
-    cell, init = Cell(), make_init(requires_grad=False)
+    cell, init = Cell(torch.float64), make_init(torch.float64, requires_grad=False)
 
     def scaled(carry, weight, bias, scale):
         return step(carry, weight, bias) * scale
@@ -281,7 +251,7 @@ def test_init_without_grad_and_non_tensor_non_sequences() -> None:
 
 def test_a_module_cell_gets_gradients_for_its_parameters() -> None:
     """fn closes over its weights (an nn.Module's parameters): they are found and get their gradients."""
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     wanted = [init, *cell.weights()]
     expected = torch.autograd.grad(loss_of(plain_loop(cell, init, 30)), wanted)
     got = torch.autograd.grad(loss_of(last(cell, init, 30, 4)), wanted)
@@ -289,7 +259,7 @@ def test_a_module_cell_gets_gradients_for_its_parameters() -> None:
 
 
 def test_a_closed_over_non_leaf_passes_its_gradient_on() -> None:
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
     weight = cell.weight * scale  # not a leaf: its gradient must reach scale and cell.weight
 
@@ -314,7 +284,7 @@ def dropout_run(cell: Cell, init: torch.Tensor, **scan_options) -> tuple[torch.T
 
 
 def test_dropout_replays_the_same_masks_when_rng_state_is_preserved() -> None:
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     h, expected, after = dropout_run(cell, init)
     got_h, got, got_after = dropout_run(cell, init, preserve_rng_state=True)
     assert torch.equal(got_h, h)
@@ -323,7 +293,7 @@ def test_dropout_replays_the_same_masks_when_rng_state_is_preserved() -> None:
 
 
 def test_dropout_without_preserved_rng_state_recomputes_other_masks() -> None:
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     h, expected, _ = dropout_run(cell, init)
     got_h, got, _ = dropout_run(cell, init, preserve_rng_state=False)
     assert torch.equal(got_h, h)  # the forward is the plain loop's
@@ -354,7 +324,7 @@ def test_autocast_is_replayed_in_backward() -> None:
 
 
 def test_without_grad_it_is_the_loop() -> None:
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     fn = Counted()
     with torch.no_grad():
         h = last(fn, init, 40, 3, cell.weights())
@@ -363,13 +333,13 @@ def test_without_grad_it_is_the_loop() -> None:
 
 
 def test_nothing_to_differentiate_keeps_nothing() -> None:
-    cell, init = Cell(), make_init(requires_grad=False)
+    cell, init = Cell(torch.float64), make_init(torch.float64, requires_grad=False)
     h = last(step, init, 40, 3, tuple(w.detach() for w in cell.weights()))
     assert h.grad_fn is None and not h.requires_grad
 
 
 def test_second_backward_is_refused() -> None:
-    cell, init = Cell(), make_init()
+    cell, init = Cell(torch.float64), make_init(torch.float64)
     loss = loss_of(last(step, init, 10, 3, cell.weights()))
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match=r"outputs='last'\): a second backward through the same scan; .*run the scan again"):
@@ -449,8 +419,8 @@ def test_step_peak_is_one_plain_step_plus_the_snapshots(measured: dict, n: int, 
 
 
 def scan_with(**overrides) -> torch.Tensor:
-    cell = Cell()
-    kwargs = {"fn": step, "init": make_init(), "n_steps": 10, "snapshots": 3, "outputs": "last",
+    cell = Cell(torch.float64)
+    kwargs = {"fn": step, "init": make_init(torch.float64), "n_steps": 10, "snapshots": 3, "outputs": "last",
               "non_sequences": cell.weights()}
     kwargs |= overrides
     fn, init, n_steps = kwargs.pop("fn"), kwargs.pop("init"), kwargs.pop("n_steps")

@@ -12,39 +12,17 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from ckpt_plugin._compat import CategoryPeakTracker
 from ckpt_plugin.measure.memory import saved_bytes, step_flops, step_memory
 from ckpt_plugin.engine.scan import checkpoint_scan
+from scan_cells import BATCH, DIM, Cell, dropout_step, make_init, step
 
 N_STEPS, EVERY = 1024, 32  # the issue's numbers: k=1024 steps, a checkpoint every 32
-BATCH, DIM = 4, 16  # carry (BATCH, DIM)
 
 # (n_steps, save_every_n): divisible, Theano's own k=101 / N=100, a short last
 # window, every carry kept, one window exactly, a window longer than the loop.
 SHAPES = [(64, 8), (101, 100), (10, 3), (5, 1), (7, 7), (5, 10)]
-
-
-class Cell(nn.Module):
-    """Holds the weights of ``step`` so that the measuring helpers can exclude them as parameters."""
-
-    def __init__(self, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(torch.randn(DIM, DIM, generator=g, dtype=dtype) / DIM**0.5)
-        self.bias = nn.Parameter(0.1 * torch.randn(DIM, generator=g, dtype=dtype))
-
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weight, self.bias
-
-
-def step(carry: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(carry @ weight + bias)  # (BATCH, DIM)
-
-
-def dropout_step(carry: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.dropout(step(carry, weight, bias), p=0.2, training=True)
 
 
 def plain_loop(fn, init: torch.Tensor, n_steps: int, non_sequences=()) -> torch.Tensor:
@@ -54,11 +32,6 @@ def plain_loop(fn, init: torch.Tensor, n_steps: int, non_sequences=()) -> torch.
         carry = fn(carry, *non_sequences)
         outs.append(carry)
     return torch.stack(outs)
-
-
-def make_init(dtype: torch.dtype = torch.float32, requires_grad: bool = True) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, DIM, generator=g, dtype=dtype).requires_grad_(requires_grad)
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
