@@ -50,6 +50,7 @@ from ckpt_plugin.planning.budget import parse_budget, resolve
 from ckpt_plugin.planning.planner import OPTIONS, Profile, smallest_peak
 from ckpt_plugin.planning.profile import INSIDE_DEPTH, chain_costs, profile, wrap_plan
 from ckpt_plugin.planning.rotor import Unreachable, simulate, solve
+from ckpt_plugin.planning.timing import TimingCache
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -90,7 +91,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         forward = forward or _sample_forward(model)
         backend = backend_of(config.compile)
         compiled = timed_compiled(config, backend, compiled_by_user(given, names))
-        measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled)
+        timings: TimingCache = {}  # the layers are timed once, should their parts be measured below
+        measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, cache=timings)
         try:
             chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
         except ConfigError:
@@ -98,7 +100,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
                 raise
             # Below what one option per layer reaches, the layers' parts become candidates too (inside.py):
             # measured only then, as they double the profile's cost, then nested regions over a chain.
-            measured = profile(model, names, lambda: scalar(forward()), timed=True, depth=INSIDE_DEPTH)
+            measured = profile(model, names, lambda: scalar(forward()), timed=True, depth=INSIDE_DEPTH, cache=timings)
             try:
                 chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
             except ConfigError as err:

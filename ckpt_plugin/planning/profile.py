@@ -64,7 +64,7 @@ from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
-from ckpt_plugin.planning.timing import LayerTimes, check_candidates, measure_layer_times
+from ckpt_plugin.planning.timing import LayerTimes, TimingCache, check_candidates, measure_layer_times
 from ckpt_plugin.planning.planner import INSIDE, OPTIONS, Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.rotor import ChainCosts
@@ -384,7 +384,8 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
 
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
-            timed: bool = False, compiled: Mapping[str, str] | None = None, depth: int = 0) -> Profile:
+            timed: bool = False, compiled: Mapping[str, str] | None = None, depth: int = 0,
+            cache: TimingCache | None = None) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Five
@@ -403,7 +404,9 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     candidates too (``inside.py``; ``ckpt=auto`` asks for ``INSIDE_DEPTH``).
     Each level costs five more steps, every part of that level under one
     option at a time, and its parts are timed as the layers are (alike parts
-    once); their options reach a layer as options inside it.
+    once); their options reach a layer as options inside it. ``cache``: a
+    ``measure_layer_times`` cache the caller keeps, so that profiling the same
+    model again (deeper) does not time its layers again.
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
@@ -440,7 +443,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     timed_parts = {name: list(options) for name, options in parts.items() if len(options) > 1}
     with cache_warnings_silenced():
         times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS}, compiled=compiled,
-                                    parts=timed_parts)
+                                    parts=timed_parts, cache=cache)
     return with_times(measured, times)
 
 
