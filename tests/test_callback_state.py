@@ -211,3 +211,18 @@ def test_a_mode_change_names_the_mode_and_the_keys_it_brings() -> None:
         warnings.simplefilter("error")
         callback.load_state_dict({})  # a record without keys (another version's): nothing to compare
         callback.load_state_dict({"wrapped": BLOCKS})
+
+
+@pytest.mark.parametrize("keys", [{"mode": "full"}, {"mode": "auto", "budget": 0.5}])
+def test_a_record_from_before_a_key_existed_reads_as_that_keys_default(keys) -> None:
+    """A checkpoint written before ckpt.compile and ckpt.timing (and full's budget) existed: no change to name."""
+    callback = ActivationCheckpointing(layers="Block", **keys)
+    state = callback.state_dict()
+    for key in ("compile", "timing", "budget" if keys["mode"] == "full" else "compile"):
+        state["config"].pop(key, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.load_state_dict(state)
+    state["config"]["compile"] = "aot_eager"  # and one that differs is still named
+    with pytest.warns(UserWarning, match=r"compile 'aot_eager' -> False"):
+        callback.load_state_dict(state)

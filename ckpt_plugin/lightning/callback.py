@@ -26,6 +26,7 @@ naming each change, and goes on with this run's keys.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import MISSING, fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,7 +38,7 @@ from torch import nn
 from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.config.plan import plan_for
-from ckpt_plugin.config.schema import AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
+from ckpt_plugin.config.schema import MODES, AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
 from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.sample import sample_call
@@ -141,8 +142,10 @@ class ActivationCheckpointing(pl.Callback):
         saved = state_dict.get("config")
         if not isinstance(saved, dict):  # a record without the keys: nothing to compare
             return
-        # A record from before ckpt.compile (ckpt.timing) existed: it ran uncompiled (timed as its step ran).
-        saved = {"compile": False, **({"timing": "auto"} if saved.get("mode") == "auto" else {}), **saved}
+        # A record from before a key existed (ckpt.compile, ckpt.timing, ...) ran with that key's default.
+        mode = MODES.get(saved.get("mode"))
+        defaults = {f.name: f.default for f in fields(mode) if f.default is not MISSING} if mode else {}
+        saved = {**defaults, **saved}
         changes = _changes(saved, _plain(as_keys(self.config)))
         if changes:
             rank_zero_warn(
