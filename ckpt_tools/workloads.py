@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ MODES: dict[str, dict[str, Any] | None] = {
     # Rotor's nesting of regions with the least recomputed FLOPs within half the activation peak.
     "segments_optimal": {"mode": "full", "segments": "optimal", "budget": 0.5},
     "selective": {"mode": "selective", "policy": "matmuls"},
-    "auto_min": {"mode": "auto", "budget": 1},  # the least peak ckpt=auto reaches, whatever it is: see build()
+    "auto_min": {"mode": "auto", "budget": "min"},  # the least peak ckpt=auto reaches, whatever it is
     "auto_0.1": {"mode": "auto", "budget": 0.1},
     "auto_0.25": {"mode": "auto", "budget": 0.25},
     "auto_0.5": {"mode": "auto", "budget": 0.5},
@@ -140,25 +140,8 @@ def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0) -> Run:
     if not isinstance(config, AutoConfig) and getattr(config, "segments", None) != "optimal":
         return Run(model, batch, len(apply_config(model, config)))
     # Planned on the bench's own batch and loss, as a user's training step would be.
-    if mode == LEAST:
-        config = make_config(**(asdict(config) | {"budget": least_budget(model, config, lambda: model.loss(batch))}))
     plan, grown = peak_growth(lambda: plan_for(model, config, lambda: model.loss(batch)))
     return Run(model, batch, len(install(model, plan)), plan.planned, grown)
-
-
-LEAST = "auto_min"
-
-
-def least_budget(model: nn.Module, config: AutoConfig, forward: Callable[[], Any]) -> int:
-    """The least activation peak ckpt=auto reaches on ``model``, in bytes: what it names when refusing 2 bytes."""
-    try:
-        plan_for(model, make_config(**(asdict(config) | {"budget": 2})), forward)
-    except ValueError as err:
-        found = re.search(r"raise ckpt\.budget to at least [0-9.]+ or (\d+)B", str(err))
-        if found:
-            return int(found[1])
-        raise
-    raise AssertionError("ckpt=auto met a budget of 2 bytes")
 
 
 def peak_growth(fn: Callable[[], T]) -> tuple[T, int | None]:
@@ -184,4 +167,4 @@ def _status_kib(field: str) -> int:
     return int(match[1])
 
 
-__all__ = ["LEAST", "MODELS", "MODES", "ModelSpec", "Run", "build", "least_budget", "peak_growth"]
+__all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build", "peak_growth"]

@@ -17,8 +17,8 @@ from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
-from ckpt_plugin.planning.profile import (OPTIONS, Budget, Cost, LayerProfile, parse_budget, plan, profile, resolve,
-                                          wrap_plan)
+from ckpt_plugin.planning.profile import (OPTIONS, Budget, Cost, LayerProfile, Profile, parse_budget, plan, profile,
+                                          resolve, wrap_plan)
 from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memory
 from ckpt_plugin.engine.policies import make_policy
 from ckpt_plugin.engine.treatment import Treatment
@@ -45,6 +45,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ("1.5GB", Budget(bytes=1_500_000_000)),
     (" 2 gib ", Budget(bytes=2 * 2**30)),
     (123456, Budget(bytes=123456)),
+    ("min", Budget(least=True)),  # the least peak the planner reaches
+    (" MIN ", Budget(least=True)),
 ])
 def test_parse_budget_accepts(given, expected) -> None:
     assert parse_budget(given) == expected
@@ -62,8 +64,9 @@ def test_parse_budget_accepts(given, expected) -> None:
     (1.5, r"ckpt.budget=1.5: a fraction must be in \(0, 1\]; for a size write e.g. 1.5GiB"),
     ("1.5", r"ckpt.budget='1.5': a fraction must be in \(0, 1\]; for a size write e.g. 1.5GiB"),
     ("150%", r"ckpt.budget='150%': a fraction must be in \(0, 1\]; at most 100%"),
-    ("abc", r"ckpt.budget='abc' is not a budget: write a fraction .* or a size \(2GiB, 512MiB, 300MB"),
+    ("abc", r"ckpt.budget='abc' is not a budget: write a fraction .*, a size \(2GiB, 512MiB, 300MB.*, or min"),
     ("2GX", r"ckpt.budget='2GX' is not a budget"),
+    ("minimum", r"ckpt.budget='minimum' is not a budget"),
     (True, r"ckpt.budget=True \(bool\) must be a fraction \(0.4\) or a size \(2GiB\)"),
     ([0.4], r"ckpt.budget=\[0.4\] \(list\) must be a fraction"),
 ])
@@ -148,6 +151,21 @@ def test_plan_is_optimal_on_random_profiles(n: int) -> None:
         # Every exact peak is a budget (the boundaries), plus one below the smallest.
         budgets = [peaks[0] - 1] + (peaks if len(peaks) <= 40 else rng.sample(peaks, 40))
         assert _check_against_exhaustive(layers, rest, rest_running, budgets) == len(budgets) - 1
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_budget_min_is_the_least_peak_at_its_least_cost(n: int) -> None:
+    """``ckpt.budget=min`` (``Profile.least``): the least peak of all 3^n choices, and the cheapest at that peak."""
+    rng = random.Random(100 + n)
+    for _ in range(3):
+        layers = _random_layers(rng, n)
+        rest, rest_running = rng.randint(0, 50), rng.randint(0, 60)
+        everything = _all_choices(layers, rest, rest_running)
+        least = min(peak for peak, _, _ in everything)
+        chosen = Profile(layers, rest, rest_running, no_ckpt_peak=10**6).least()
+        assert chosen.predicted_peak == chosen.budget_bytes == least
+        at_least = min(cost for peak, cost, _ in everything if peak == least)
+        assert (chosen.recompute_seconds, chosen.recompute_flops, _level(chosen.choices.values())) == at_least
 
 
 # ---------------------------------------------------------------------- the real GPT
@@ -325,3 +343,16 @@ def test_the_resnet_plan_predicts_its_peak_within_5_percent(fraction: float) -> 
         remove_checkpointing(model)
     assert set(p.choices.values()) != {"keep"}
     assert 0.99 * act <= p.predicted_peak <= min(budget, 1.05 * act), (p.predicted_peak, act, p.choices)
+
+
+def test_the_summary_says_how_options_were_timed_even_without_a_predicted_ratio() -> None:
+    """On a loaded machine the step without checkpointing, predicted from timings, can come out <= 0:
+    the summary still says the options were chosen by timings, and how they were taken."""
+    layers = [LayerProfile("layers.0", {"keep": Cost(40, 0, 10, seconds=0.0), "full": Cost(4, 9, 30, seconds=0.002)})]
+    timed = Profile(layers, 0, 0, no_ckpt_peak=100, none_seconds=0.0, timed_as="eager").plan(35)
+    assert timed.choices == {"layers.0": "full"} and timed.predicted_time_ratio is None
+    assert ("options chosen by added step time (+2.0 ms of recomputation, measured layer by layer, eager); the step "
+            "without checkpointing could not be predicted from these timings, so no ratio") in str(timed)
+    ratio = Profile(layers, 0, 0, no_ckpt_peak=100, none_seconds=0.01, timed_as="eager").plan(35)
+    assert "predicted step time 1.20x that without checkpointing (+2.0 ms of recomputation, measured layer by " \
+           "layer, eager)" in str(ratio)

@@ -27,8 +27,8 @@ from conftest import CONFIGS, FAST, TINY_GPT
 from recipes.train import train
 
 HINT = "(HYDRA_FULL_ERROR=1 shows the traceback.)"
-BUDGET_FORMS = ("valid: a fraction of the activation peak without checkpointing (0.4, 40%) or a size "
-                "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes)")
+BUDGET_FORMS = ("valid: a fraction of the activation peak without checkpointing (0.4, 40%), a size "
+                "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least peak reachable)")
 DEEPSPEED_TRAINERS = "trainer=deepspeed_zero1, deepspeed_zero2, deepspeed_zero3 or deepspeed_zero3_offload"
 BLOCK_NAMES = "blocks, blocks.0, blocks.1, blocks.2, blocks.3, "
 
@@ -219,8 +219,9 @@ CASES = [
          f"ckpt.budget=1.5: a fraction must be in (0, 1]; for a size write e.g. 1.5GiB; {BUDGET_FORMS}"),
     case("ckpt=auto  ckpt.budget=lots", "ckpt.budget", "'lots'",
          "ckpt.budget='lots' is not a budget: write a fraction of the activation peak without checkpointing (0.4, "
-         "40%) or a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes); a size's unit is B, KB, MB, "
-         "GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"),
+         "40%), a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least peak "
+         "reachable); a size's unit is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any "
+         "case"),
     case("ckpt=auto  ckpt.budget=3 GiBs", "ckpt.budget", "'3 GiBs'",
          "ckpt.budget='3 GiBs' is not a budget: write a fraction of the activation peak without checkpointing ..."),
     case("ckpt=auto  ckpt.budget=150%", "ckpt.budget", "'150%'",

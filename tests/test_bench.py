@@ -14,8 +14,7 @@ import warm_python
 
 from ckpt_tools.bench import MODELS, MODES, build, main, pareto_front
 
-AUTO = {"auto_0.1": 0.1, "auto_0.25": 0.25, "auto_0.5": 0.5, "auto_0.75": 0.75,
-        "segments_optimal": 0.5}  # planned for a budget
+AUTO = {"auto_0.1": 0.1, "auto_0.5": 0.5, "segments_optimal": 0.5}  # planned for a budget
 KEYS = ("peak_bytes", "act_peak_bytes", "flops_ratio", "time_ratio")
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -35,10 +34,15 @@ def run_bench(cwd: Path, modes: list[str]) -> tuple[list[str], Path]:
     return args, cwd / "tmp"
 
 
+# Every mode but two budgets between 0.1 and 0.5, planned as those are (the suite's time: each auto row
+# plans on both models; a refused one profiles the layers' parts too).
+RUN = [mode for mode in MODES if mode not in ("auto_0.25", "auto_0.75")]
+
+
 @pytest.fixture(scope="module")
 def fixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, dict]:
-    """One quick run of every mode (the default --modes), shared by the checks below."""
-    args, out = run_bench(tmp_path_factory.mktemp("bench"), list(MODES))
+    """One quick run of the modes in RUN, shared by the checks below."""
+    args, out = run_bench(tmp_path_factory.mktemp("bench"), RUN)
     results = json.loads((out / "results.json").read_text())
     return args, out, {model: results[model] for model in MODELS} | {"overhead": results.get("overhead")}
 
@@ -54,7 +58,7 @@ def test_every_model_and_mode_has_the_four_numbers(fixed) -> None:
     _, _, results = fixed
     assert list(results) == [*MODELS, "overhead"]
     for model, rows in _models(results).items():
-        assert list(rows) == list(MODES), model
+        assert list(rows) == RUN, model
         for mode, row in rows.items():
             if row.get("error"):
                 assert mode in AUTO, (model, mode, row["error"])  # only a budget may be refused
@@ -104,7 +108,7 @@ def test_table_starts_with_the_command_line(fixed) -> None:
     assert command in text.split("## ")[0]
     for model in MODELS:
         assert f"## {model}" in text
-    for mode in MODES:
+    for mode in RUN:
         assert f"| {mode} |" in text
 
 

@@ -562,15 +562,15 @@ def test_a_container_without_forward_is_never_a_layer():
 # --------------------------------------------------------------------------- #
 
 BUDGET_FORMS = (
-    "valid: a fraction of the activation peak without checkpointing (0.4, 40%) or a size "
-    "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes)"
+    "valid: a fraction of the activation peak without checkpointing (0.4, 40%), a size "
+    "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least peak reachable)"
 )
 
 
 @pytest.mark.parametrize(("given", "expected"), [
     ("3 GiB", "3.0 GiB"), ("3GiB", "3.0 GiB"), ("3 gib", "3.0 GiB"), (" 3 GiB ", "3.0 GiB"),
     ("512MB", "488.3 MiB"), ("0.4", "0.4 of the activation peak"), (0.4, "0.4 of the activation peak"),
-    ("40%", "0.4 of the activation peak"),
+    ("40%", "0.4 of the activation peak"), ("min", "the least activation peak reachable"),
 ])
 def test_budget_sizes_with_or_without_a_space(given, expected):
     from ckpt_plugin.planning.budget import parse_budget
@@ -581,11 +581,13 @@ def test_budget_sizes_with_or_without_a_space(given, expected):
 
 @pytest.mark.parametrize(("given", "message"), [
     ("3 GiBs", "ckpt.budget='3 GiBs' is not a budget: write a fraction of the activation peak without checkpointing "
-               "(0.4, 40%) or a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes); a size's unit "
-               "is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"),
+               "(0.4, 40%), a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least "
+               "peak reachable); a size's unit is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), "
+               "in any case"),
     ("lots", "ckpt.budget='lots' is not a budget: write a fraction of the activation peak without checkpointing "
-             "(0.4, 40%) or a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes); a size's unit "
-             "is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"),
+             "(0.4, 40%), a size (2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least "
+             "peak reachable); a size's unit is B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), "
+             "in any case"),
     ("-1GiB", f"ckpt.budget='-1GiB' must be positive; {BUDGET_FORMS}"),
     ("0", f"ckpt.budget='0' must be positive; {BUDGET_FORMS}"),
     (0, f"ckpt.budget=0 must be positive; {BUDGET_FORMS}"),

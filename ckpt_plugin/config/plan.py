@@ -48,9 +48,8 @@ from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
 from ckpt_plugin.planning.planner import OPTIONS, Profile, smallest_peak
-from ckpt_plugin.planning.profile import INSIDE_DEPTH, chain_costs, profile, wrap_plan
-from ckpt_plugin.planning.rotor import Unreachable, simulate, solve
-from ckpt_plugin.planning.timing import TimingCache
+from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, chain_costs, profile, wrap_plan
+from ckpt_plugin.planning.rotor import Unreachable, least_peak, simulate, solve
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -88,33 +87,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     note = note or ""
     names = select_layers(model, layers, config.every_n)
     if isinstance(config, AutoConfig):
-        forward = forward or _sample_forward(model)
-        backend = backend_of(config.compile)
-        compiled = timed_compiled(config, backend, compiled_by_user(given, names))
-        timings: TimingCache = {}  # the layers are timed once, should their parts be measured below
-        measured = profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, cache=timings)
-        try:
-            chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
-        except ConfigError:
-            if compiled or backend is not None:  # parts and regions are planned for eager steps only
-                raise
-            # Below what one option per layer reaches, the layers' parts become candidates too (inside.py):
-            # measured only then, as they double the profile's cost, then nested regions over a chain.
-            measured = profile(model, names, lambda: scalar(forward()), timed=True, depth=INSIDE_DEPTH, cache=timings)
-            try:
-                chosen = _fitting(measured, resolve(parse_budget(config.budget), measured.no_ckpt_peak))
-            except ConfigError as err:
-                return _chain_instead(model, config, names, forward, note, err, measured)
-        plan = wrap_plan(chosen, config.preserve_rng_state)
-        summary = plan.summary
-        if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
-            summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
-                        f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
-        if backend is not None and plan.names:
-            plan = replace(plan, groups=tuple(replace(g, compile=backend) for g in plan.groups))
-            summary += (f"\nckpt.compile: the {len(plan.names)} layer(s) this plan wraps run compiled ({backend}), "
-                        "the kept ones eagerly; the plan's peak was measured uncompiled (fake tensors)")
-        return replace(plan, summary="\n".join(filter(None, [note, summary])), note=note)
+        return _auto(given, model, config, names, forward or _sample_forward(model), note)
     segments = getattr(config, "segments", None)
     if segments is None:
         backend = backend_of(config.compile)
@@ -138,6 +111,62 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     return _optimal(model, config, names, forward, note) if optimal else plan
 
 
+def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
+          note: str) -> WrapPlan:
+    """``ckpt=auto``: the planner's choice per layer for ``ckpt.budget``, measured as the step will run.
+
+    Below what one option per layer reaches, the layers' parts become candidates
+    too (``inside.py``): measured only then, as they double the profile's cost;
+    below that, nested regions over the layers, if they form a chain
+    (:func:`_chain_instead`). ``ckpt.budget=min`` goes down all three at once
+    and takes the least peak of them. Parts and regions are planned for eager
+    steps only.
+    """
+    budget = parse_budget(config.budget)
+    backend = backend_of(config.compile)
+    compiled = timed_compiled(config, backend, compiled_by_user(given, names))
+    eager = not compiled and backend is None
+    once = ProfileCache()  # the layers are stepped and timed once, should their parts be measured below
+
+    def measured_to(depth: int) -> Profile:
+        return profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth, cache=once)
+
+    measured = measured_to(INSIDE_DEPTH if budget.least and eager else 0)
+    if budget.least:
+        chosen = measured.least()
+        regions_plan = _chain_instead(model, config, names, forward, note, measured,
+                                      below=chosen.predicted_peak) if eager else None
+        if regions_plan is not None:
+            return regions_plan
+    else:
+        try:
+            chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
+        except ConfigError:
+            if not eager:
+                raise
+            measured = measured_to(INSIDE_DEPTH)
+            try:
+                chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
+            except ConfigError as err:
+                return _chain_instead(model, config, names, forward, note, measured,
+                                      below=smallest_peak(measured.layers, measured.rest_running), refused=err)
+    plan = wrap_plan(chosen, config.preserve_rng_state)
+    summary = plan.summary
+    if budget.least:
+        summary = (f"ckpt.budget=min: the least activation peak reachable by one option per layer"
+                   f"{' or parts of it' if eager else ''} is {format_bytes(chosen.predicted_peak)} "
+                   f"({chosen.predicted_peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)\n"
+                   + summary)
+    if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
+        summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
+                    f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
+    if backend is not None and plan.names:
+        plan = replace(plan, groups=tuple(replace(g, compile=backend) for g in plan.groups))
+        summary += (f"\nckpt.compile: the {len(plan.names)} layer(s) this plan wraps run compiled ({backend}), "
+                    "the kept ones eagerly; the plan's peak was measured uncompiled (fake tensors)")
+    return replace(plan, summary="\n".join(filter(None, [note, summary])), note=note)
+
+
 def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Callable[[], Any],
              note: str) -> WrapPlan:
     """``ckpt.segments=optimal``: Rotor's schedule for ``ckpt.budget``, from the layers' costs on fake tensors.
@@ -147,7 +176,8 @@ def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Ca
     schedule reaches is refused with that least peak.
     """
     costs, none_peak = chain_costs(model, names, lambda: scalar(forward()))
-    limit = resolve(parse_budget(config.budget), none_peak)
+    budget = parse_budget(config.budget)
+    limit = least_peak(costs) if budget.least else resolve(budget, none_peak)
     if limit >= none_peak:  # nothing checkpointed fits, as measured, whatever the model says (as for ckpt=auto)
         limit = max(limit, simulate(costs, range(len(names)))[0])
     try:
@@ -169,10 +199,13 @@ def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Ca
 
 
 def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any], note: str,
-                   refused: ConfigError, measured: Profile) -> WrapPlan:
-    """``ckpt=auto`` below the least peak of one option per layer: Rotor's schedule over the layers, if they
-    form a chain (checked where they sit and on the sample, as ``ckpt.segments`` is) and it fits the budget.
+                   measured: Profile, *, below: int, refused: ConfigError | None = None) -> WrapPlan | None:
+    """``ckpt=auto`` below ``below``, the least peak of one option per layer: Rotor's schedule over the layers,
+    if they form a chain (checked where they sit and on the sample, as ``ckpt.segments`` is) and it fits the budget.
 
+    ``refused``: why the per-layer plans did not fit, raised again where regions do not
+    fit either or the layers form no chain; without it (``ckpt.budget=min``) the least
+    peak of the regions, or None where they reach no lower than ``below``.
     Nested regions recompute more FLOPs than any per-layer plan that fits, so they are
     only the answer where none fits; their cost is recomputed FLOPs (``rotor.py``). Eager
     steps only: a region spans several layers' calls, opened and closed by hooks, which
@@ -183,21 +216,27 @@ def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forwa
         check_plan(model, WrapPlan((Segments(tuple(names), 1, full),)))
         problems = chain_problems(model, names, forward)
     except ConfigError:
-        raise refused from None
+        problems = True
     if problems:
-        raise refused
+        if refused is not None:
+            raise refused from None
+        return None
     costs, none_peak = chain_costs(model, names, lambda: scalar(forward()))
-    limit = resolve(parse_budget(config.budget), none_peak)
+    limit = least_peak(costs) if refused is None else resolve(parse_budget(config.budget), none_peak)
+    if refused is None and limit >= below:
+        return None
     try:
         solution = solve(costs, limit, names)
     except Unreachable as err:
-        if err.least >= smallest_peak(measured.layers, measured.rest_running):
+        if err.least >= below:
             raise refused from None  # its least peak is the least of the two
         raise ConfigError([Problem("ckpt.budget", _unreachable(
             limit, err.least, none_peak, "ckpt=auto", "of regions nested over the chain, below any one option per layer"))]) from err
-    lines = [f"ckpt=auto: no choice per layer (keep, selective, full, or parts of it) fits ckpt.budget={config.budget} "
-             f"({format_bytes(limit)}); the {len(names)} layers form a chain, so it nests checkpointed regions "
-             "over them: Rotor's schedule, the least recomputed FLOPs that fit", str(solution)]
+    short = (f"reaches {format_bytes(limit)} (ckpt.budget=min), as nested regions do" if refused is None else
+             f"fits ckpt.budget={config.budget} ({format_bytes(limit)})")
+    lines = [f"ckpt=auto: no choice per layer (keep, selective, full, or parts of it) {short}; the {len(names)} "
+             "layers form a chain, so it nests checkpointed regions over them: Rotor's schedule, the least "
+             "recomputed FLOPs that fit", str(solution)]
     group = Segments(tuple(names), solution.schedule, full)
     return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
 

@@ -81,7 +81,7 @@ class ActivationCheckpointing(pl.Callback):
         save_names: selective with policy names: save exactly the checkpoint_name tensors named here.
         exclude_names: selective with policy names: save every checkpoint_name tensor except these.
         budget: auto, and full with segments optimal, required there: the activation memory to fit, a fraction of
-            the peak without checkpointing (0.4, 40%) or a size (2GiB, 512MiB).
+            the peak without checkpointing (0.4, 40%), a size (2GiB, 512MiB), or min (the least peak reachable).
         deepspeed: full: DeepSpeed's own checkpoint, under a DeepSpeed strategy, with these options
             (partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
             synchronize_checkpoint_boundary, profile) (unset: torch's checkpoint).

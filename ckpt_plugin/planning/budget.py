@@ -1,6 +1,7 @@
 """``ckpt.budget``: a fraction of the activation peak without checkpointing, or a size.
 
     ckpt.budget=0.4     ckpt.budget=40%     ckpt.budget=2GiB     ckpt.budget='2 GiB'     ckpt.budget=300MB
+    ckpt.budget=min     (the least activation peak the planner reaches, whatever it is)
 
 A size is a number and a unit (B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB,
 TiB powers of 1024), in any case, with or without a space between them, or an
@@ -40,13 +41,17 @@ class Budget:
 
     fraction: float | None = None
     bytes: int | None = None
+    least: bool = False  # ckpt.budget=min: the least peak the planner reaches, at the least cost for it
 
     def __str__(self) -> str:
+        if self.least:
+            return "the least activation peak reachable"
         return f"{self.fraction:g} of the activation peak" if self.fraction is not None else format_bytes(self.bytes)
 
 
-_FORMS = ("a fraction of the activation peak without checkpointing (0.4, 40%) or a size "
-          "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes)")
+LEAST = "min"
+_FORMS = ("a fraction of the activation peak without checkpointing (0.4, 40%), a size "
+          "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least peak reachable)")
 _UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"
 
 
@@ -71,7 +76,7 @@ def _fraction(value: float, given: Any, percent: bool = False) -> Budget:
 
 
 def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
-    """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"2 GiB"``, ``"512MiB"``, ``"300MB"`` or an int of bytes.
+    """``0.4``, ``"0.4"``, ``"40%"``, ``"2GiB"``, ``"2 GiB"``, ``"512MiB"``, ``"300MB"``, an int of bytes or ``"min"``.
 
     The int ``1`` (what ``ckpt.budget=1`` gives) is the whole peak, not one byte. ``typed``:
     the value was typed in a config, where any other int below 1 MiB is a slip (``2`` for "2 GB").
@@ -92,6 +97,8 @@ def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
     if isinstance(budget, float):
         return _fraction(budget, budget)
     text = budget.strip().replace("_", "")
+    if text.lower() == LEAST:
+        return Budget(least=True)
     number = text[:-1] if text.endswith("%") else text
     try:
         value = float(number)
@@ -112,5 +119,6 @@ def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
 
 
 def resolve(budget: Budget, no_ckpt_peak_bytes: int) -> int:
-    """The budget in bytes, given the activation peak of a step without checkpointing."""
+    """The budget in bytes, given the activation peak of a step without checkpointing (not for ``min``)."""
+    assert not budget.least, "ckpt.budget=min is planned for, not resolved: the planner finds its bytes"
     return budget.bytes if budget.bytes is not None else int(budget.fraction * no_ckpt_peak_bytes)

@@ -128,6 +128,16 @@ class Profile:
             target -= peak - budget_bytes
         raise ValueError(unreachable(budget_bytes, min(measured), self.no_ckpt_peak))
 
+    def least(self) -> Plan:
+        """``ckpt.budget=min``: the cheapest plan among those of the least predicted peak, its peak measured
+        where it goes inside a layer (and that peak its budget: what it was planned to hold)."""
+        chosen = plan(self.layers, self.rest_bytes, smallest_peak(self.layers, self.rest_running),
+                      rest_running=self.rest_running, reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
+        chosen = replace(chosen, timed_as=self.timed_as)
+        if self.measure is not None and len(chosen.choices) != len(self.layers):
+            chosen = replace(chosen, predicted_peak=self.measure(chosen), peak_measured=True)
+        return replace(chosen, budget_bytes=chosen.predicted_peak)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -176,6 +186,10 @@ class Plan:
             lines.append(f"predicted step time {self.predicted_time_ratio:.2f}x that without checkpointing "
                          f"(+{1e3 * self.recompute_seconds:.1f} ms of recomputation, measured layer by layer"
                          + (f", {self.timed_as})" if self.timed_as else ")"))
+        elif self.timed_as:  # timed, but the step without checkpointing came out <= 0 (noise on a loaded machine)
+            lines.append(f"options chosen by added step time (+{1e3 * self.recompute_seconds:.1f} ms of "
+                         f"recomputation, measured layer by layer, {self.timed_as}); the step without "
+                         "checkpointing could not be predicted from these timings, so no ratio")
         return "\n".join(lines)
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -383,9 +383,22 @@ def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option
     return recorder
 
 
+@dataclass
+class ProfileCache:
+    """What :func:`profile` measured of one model, kept by the caller to profile it again deeper.
+
+    ``ckpt=auto`` profiles the layers, and only after a refusal their parts too:
+    the second profile reads back the layers' steps (by the candidates' names)
+    and timings instead of running them again.
+    """
+
+    timings: TimingCache = field(default_factory=dict)
+    steps: dict[tuple[tuple[str, ...], bool], tuple[dict[str, _Recorder], dict[str, dict[str, int]]]] = field(default_factory=dict)
+
+
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
             timed: bool = False, compiled: Mapping[str, str] | None = None, depth: int = 0,
-            cache: TimingCache | None = None) -> Profile:
+            cache: ProfileCache | None = None) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Five
@@ -405,18 +418,22 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     Each level costs five more steps, every part of that level under one
     option at a time, and its parts are timed as the layers are (alike parts
     once); their options reach a layer as options inside it. ``cache``: a
-    ``measure_layer_times`` cache the caller keeps, so that profiling the same
-    model again (deeper) does not time its layers again.
+    :class:`ProfileCache` the caller keeps, so that profiling the same model
+    again (deeper) neither steps nor times its layers again.
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
+    cache = ProfileCache() if cache is None else cache
     silenced = cache_warnings_silenced()  # its wrappers are for a moment: the installation warns, once
     with silenced, checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
-        recorders = {option: _step(model, names, forward, option, flops=False, fake=mode) for option in OPTIONS}
+        if (tuple(names), fake) not in cache.steps:
+            cache.steps[tuple(names), fake] = (
+                {option: _step(model, names, forward, option, flops=False, fake=mode) for option in OPTIONS},
+                {option: _step(model, names, forward, option, flops=True, fake=mode).flops if option != "keep" else {}
+                 for option in OPTIONS})
+        recorders, flops = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
-        flops = {option: _step(model, names, forward, option, flops=True, fake=mode).flops if option != "keep" else {}
-                 for option in OPTIONS}
         forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
         parts, chains = _measure_parts(model, names, forward, mode, depth, forward_running)
     layers = [
@@ -443,7 +460,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     timed_parts = {name: list(options) for name, options in parts.items() if len(options) > 1}
     with cache_warnings_silenced():
         times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS}, compiled=compiled,
-                                    parts=timed_parts, cache=cache)
+                                    parts=timed_parts, cache=cache.timings)
     return with_times(measured, times)
 
 
@@ -479,11 +496,12 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
             break
         around = [name for above in levels for name in above]
         try:
-            steps = _parts_steps(model, level, forward, mode, around)
-            twice = {part for part in level if steps["keep"][0].calls[part] > 1}
+            keep = _step(model, level, forward, "keep", flops=False, fake=mode, around=around)
+            twice = {part for part in level if keep.calls[part] > 1}
             if twice:  # a part called twice (a shared drop-path) is no candidate: its calls are its layer's own ops
                 level = [part for part in level if part not in twice]
-                steps = _parts_steps(model, level, forward, mode, around) if level else {}
+                keep = _step(model, level, forward, "keep", flops=False, fake=mode, around=around) if level else None
+            steps = _parts_steps(model, level, forward, mode, around, keep) if level else {}
         except Exception as err:  # noqa: BLE001 -- parts are an extra: the layers' own options stand
             log.debug("ckpt=auto: no candidates inside %s: checkpointing its parts fails (%s: %s)",
                       ", ".join(levels[-1][:3]), type(err).__name__, err)
@@ -523,9 +541,10 @@ def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[st
 
 
 def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any], mode: Any,
-                 around: list[str]) -> dict[str, tuple[_Recorder, dict[str, int]]]:
-    """Option -> (the memory step's recorder, recomputed FLOPs by part) with every part of ``level`` under it."""
-    return {o: (_step(model, level, forward, o, flops=False, fake=mode, around=around),
+                 around: list[str], keep: _Recorder) -> dict[str, tuple[_Recorder, dict[str, int]]]:
+    """Option -> (the memory step's recorder, recomputed FLOPs by part) with every part of ``level`` under it;
+    ``keep``'s memory step is given (it ran first, to find the parts called twice)."""
+    return {o: (keep if o == "keep" else _step(model, level, forward, o, flops=False, fake=mode, around=around),
                 _step(model, level, forward, o, flops=True, fake=mode, around=around).flops if o != "keep" else {})
             for o in OPTIONS}
 
@@ -623,6 +642,7 @@ __all__ = [
     "OPTIONS",
     "Plan",
     "Profile",
+    "ProfileCache",
     "with_times",
     "wrap_plan",
     "parse_budget",
