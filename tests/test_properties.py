@@ -258,7 +258,7 @@ def mode_keys(draw: st.DrawFn, mode: str, spec: ModelSpec, model: nn.Module) -> 
     if mode == "selective":
         keys |= draw(policy_keys())
     if mode == "auto":
-        keys["budget"] = draw(st.floats(0.05, 1.0) | st.sampled_from(["40%", "75%", "100%", 1, "1GiB", 2**24]))
+        keys["budget"] = draw(st.floats(0.05, 1.0) | st.sampled_from(["40%", "75%", "100%", 1, "1GiB", 2**24, "min"]))
     return keys, names
 
 
@@ -577,6 +577,8 @@ def test_auto_mode_equals_plain_or_refuses_and_the_smallest_peak_fits(data: st.D
     options = check_against_plain(spec, keys, None)
     assert set(options) <= set(names)
     tally["auto"] += 1
+    if keys["budget"] == "min":
+        tally["auto   budget=min planned, trains as plain"] += 1
     for opt in options.values():
         tally[f"auto   layers planned {opt}"] += 1
 
