@@ -553,7 +553,8 @@ def test_offload_mode_equals_plain_and_removes_exactly(data: st.DataObject, spec
     tally["offload with host copies (copy path on CPU)"] += offload_copies
 
 
-_SMALLEST = re.compile(r"raise ckpt\.budget to at least [0-9.]+ or (\d+)B, or select more layers$")
+# The least peak a refusal names: of one option per layer (or parts of it), or of regions nested over a chain.
+_SMALLEST = re.compile(r"raise ckpt\.budget to at least [0-9.]+ or (\d+)B(, or select more layers)?$")
 
 
 @examples(40)
@@ -562,6 +563,28 @@ def test_auto_mode_equals_plain_or_refuses_and_the_smallest_peak_fits(data: st.D
                                                                       tally: Counter) -> None:
     model = build(spec)
     keys, names = data.draw(mode_keys("auto", spec, model), label="keys")
+    _auto_equals_plain_or_refuses(spec, model, keys, names, tally)
+
+
+# Found by the property above (shrunk): three MLP blocks at 0.05 of the peak. Which of a refused budget's
+# plans fits depends on the layers' timings; at the named least peak the plan goes inside a block
+# (dropout last: its mask is a part's), or, without a LayerNorm there, nests regions over the chain.
+_AT_THE_LEAST = [ModelSpec(blocks=(BlockSpec(), BlockSpec(), BlockSpec(norm=norm, dropout=0.3, tags=tags,
+                                                                       frozen=frozen)), width=2, batch=2)
+                 for norm, tags, frozen in [("layer", True, "fc1"), (None, False, "none")]]
+
+
+@pytest.mark.parametrize("spec", _AT_THE_LEAST, ids=["parts inside", "regions"])
+@pytest.mark.parametrize("budget", [0.05, "min"])
+def test_auto_at_the_least_peak_equals_plain(spec: ModelSpec, budget: Any, tally: Counter) -> None:
+    model = build(spec)
+    names = [f"blocks.{i}" for i in range(3)]
+    keys = {"layers": ["MLPBlock"], "every_n": 1, "mode": "auto", "preserve_rng_state": True, "budget": budget}
+    _auto_equals_plain_or_refuses(spec, model, keys, names, tally)
+
+
+def _auto_equals_plain_or_refuses(spec: ModelSpec, model: nn.Module, keys: dict, names: list[str],
+                                  tally: Counter) -> None:
     before, values, rng = snapshot(model), state(model), torch.get_rng_state()
     try:
         apply_checkpointing(model, **keys)
@@ -575,7 +598,8 @@ def test_auto_mode_equals_plain_or_refuses_and_the_smallest_peak_fits(data: st.D
         keys = keys | {"budget": int(_SMALLEST.search(message)[1])}
         tally["auto   budget refused, then the smallest peak named met"] += 1
     options = check_against_plain(spec, keys, None)
-    assert set(options) <= set(names)
+    # The selected layers, and below the least peak of one option per layer, their parts (inside.py).
+    assert all(o in names or any(o.startswith(f"{n}.") for n in names) for o in options), (options, names)
     tally["auto"] += 1
     if keys["budget"] == "min":
         tally["auto   budget=min planned, trains as plain"] += 1
