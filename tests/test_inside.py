@@ -27,7 +27,7 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import step_memory
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, kind, plan, smallest_peak
-from ckpt_plugin.planning.profile import INSIDE_DEPTH, profile, wrap_plan
+from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, profile, wrap_plan
 from ckpt_plugin.planning.timing import measure_layer_times
 from ckpt_plugin.planning.profile import treatment
 
@@ -49,6 +49,17 @@ def gpt() -> dict:
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return {"model": model, "batch": batch, "forward": forward, "flat": flat, "deep": deep, "grads": grads}
+
+
+def test_a_deeper_profile_from_the_cache_equals_one_measured_afresh(gpt) -> None:
+    """ckpt=auto profiles the layers, then, after a refusal, their parts too: the second profile reads the
+    layers' steps back from a ProfileCache instead of running them again, and measures exactly the same."""
+    cache = ProfileCache()
+    assert profile(gpt["model"], BLOCKS, gpt["forward"], cache=cache) == gpt["flat"]
+    assert list(cache.steps) == [(tuple(BLOCKS), True)]
+    stepped = cache.steps[tuple(BLOCKS), True]
+    assert profile(gpt["model"], BLOCKS, gpt["forward"], depth=INSIDE_DEPTH, cache=cache) == gpt["deep"]
+    assert cache.steps[tuple(BLOCKS), True] is stepped
 
 
 def _least(prof) -> int:
