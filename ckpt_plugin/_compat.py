@@ -64,6 +64,35 @@ def _fake_mode_class() -> type:
     return _FakeTensorMode
 
 
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """The FLOPs ``FlopCounterMode`` counts for one op that ran (``out``), without running it again.
+
+    Its registry (``torch.utils.flop_counter.flop_registry``) counts matmuls, convolutions and
+    attention by shape. An op it has no formula for, FlopCounterMode runs decomposed
+    (``OpOverload.decompose``, CompositeImplicitAutograd) and counts the parts: here the
+    decomposition runs on the side, under a FlopCounterMode of its own, only for such ops.
+    """
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    count = flop_registry.get(func._overloadpacket)
+    if count is not None:
+        return count(*args, **kwargs, out_val=out)
+    if not _decomposes(func):
+        return 0
+    with FlopCounterMode(display=False) as counter:
+        func.decompose(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+@functools.cache
+def _decomposes(func: Any) -> bool:
+    """``func`` is an op FlopCounterMode would decompose: a CompositeImplicitAutograd kernel or a Python one."""
+    if isinstance(func, torch._ops.HigherOrderOperator) or func is torch.ops.prim.device.default:
+        return False
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return key in getattr(func, "py_kernels", {}) or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+
+
 def is_fake(t: Any) -> bool:
     """A fake tensor (made under :func:`fake_tensor_mode`), whose data cannot be read."""
     from torch._subclasses.fake_tensor import is_fake as _is_fake

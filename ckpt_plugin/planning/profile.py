@@ -58,9 +58,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
-from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
+from ckpt_plugin._compat import TorchDispatchMode, is_fake, op_flops, tree_leaves
 from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
@@ -110,7 +109,8 @@ class _Recorder(TorchDispatchMode):
         self.counting = True
         self.flops: dict[str, int] = defaultdict(int)  # recomputed, by layer
         self.forward_flops: dict[str, int] = defaultdict(int)  # of its forward, by layer
-        self.counter: FlopCounterMode | None = None
+        self.counter: _Recorder | None = None  # counts FLOPs (op_flops) when set: the recorder itself
+        self.total_flops = 0
         self.backward_at: int | None = None  # the index of backward's first event (samples after: recomputation)
         self.phase_running: dict[tuple[str, str], int] = {}  # analyse(): (window, 'forward' or 'recompute') -> bytes
         self.backward_held = 0  # analyse(): bytes made after the layers' forward and alive, unkept, through backward
@@ -166,6 +166,8 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._hold_fake_copy(t)
         out = func(*args, **(kwargs or {}))
+        if self.counter is not None:
+            self.total_flops += op_flops(func, args, kwargs or {}, out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._uid(t, create=True)
@@ -174,6 +176,10 @@ class _Recorder(TorchDispatchMode):
             j, start = self.unit.get(window, (0, 0)) if self.backward_at is None else (0, self.unit_start.get((window, 0), 0))
             self.events.append(("sample", window, j, start))
         return out
+
+    def get_total_flops(self) -> int:
+        """FLOPs of the ops run so far, as FlopCounterMode counts them (``op_flops``)."""
+        return self.total_flops
 
     def keep(self, t: Any, owner: str | None = None) -> Any:
         """saved_tensors_hooks' pack: ``t`` is kept for backward by the layer running."""
@@ -327,24 +333,24 @@ class _Recorder(TorchDispatchMode):
 
 
 def _step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str | Mapping[str, str], *,
-          flops: bool, fake: Any = None, around: list[str] = ()) -> _Recorder:
+          fake: Any = None, around: list[str] = ()) -> _Recorder:
     """One training step with every candidate under ``option``, recorded; the model is left as it was.
 
     ``option`` may map each name to its own (a plan's choices: nested names are
     nested checkpoints; ``inside`` leaves the module unwrapped, as ``keep``).
 
-    Memory (``flops=False``) and FLOPs (``flops=True``) come from separate steps:
-    FlopCounterMode's module tracker holds recomputed tensors until backward ends
-    (multi-grad hooks on module outputs), which would distort the memory timeline.
-    ``around``: modules recorded as windows too, unwrapped (the layers that
-    ``names``, their parts, sit in; ``inside.py``).
+    Memory and FLOPs come from the same step: the recorder counts each op's FLOPs
+    as FlopCounterMode does (``_compat.op_flops``, its registry), not through
+    FlopCounterMode itself, whose module tracker holds recomputed tensors until
+    backward ends (multi-grad hooks on module outputs) and would distort the
+    memory timeline. ``around``: modules recorded as windows too, unwrapped (the
+    layers that ``names``, their parts, sit in; ``inside.py``).
     """
     modules = dict(model.named_modules())
     chosen = dict.fromkeys(names, option) if isinstance(option, str) else option
     how = {o: (treatment(o) if o != INSIDE else None) or Treatment(checkpointing=False) for o in set(chosen.values())}
     recorder = _Recorder(model, fake)
-    mode = FlopCounterMode(display=False) if flops else recorder
-    recorder.counter = mode if flops else None
+    recorder.counter = mode = recorder
     previous = {name: modules[name].__dict__.get("forward") for name in [*around, *names]}
     grads = {p: p.grad for p in model.parameters()}
     try:
@@ -401,9 +407,9 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
             cache: ProfileCache | None = None) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
-    ``forward()`` runs the model on a sample batch and returns the loss. Five
-    steps in all, each with every candidate wrapped one way: three record memory
-    (keep, selective, full), two count recompute FLOPs (selective, full). They
+    ``forward()`` runs the model on a sample batch and returns the loss. Three
+    steps in all, each with every candidate wrapped one way (keep, selective,
+    full), each recording memory and counting FLOPs (recomputed ones included). They
     run on fake tensors (``measure/fake.py``): bytes and FLOPs are the real
     ones and no activation is allocated, whatever the batch; ``fake=False``
     runs them on real tensors (for tests that compare the two). ``timed=True``
@@ -415,7 +421,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
 
     ``depth``: how many levels of parts (child modules) below each layer are
     candidates too (``inside.py``; ``ckpt=auto`` asks for ``INSIDE_DEPTH``).
-    Each level costs five more steps, every part of that level under one
+    Each level costs three more steps, every part of that level under one
     option at a time, and its parts are timed as the layers are (alike parts
     once); their options reach a layer as options inside it. ``cache``: a
     :class:`ProfileCache` the caller keeps, so that profiling the same model
@@ -428,10 +434,9 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     with silenced, checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
         if (tuple(names), fake) not in cache.steps:
+            stepped = {option: _step(model, names, forward, option, fake=mode) for option in OPTIONS}
             cache.steps[tuple(names), fake] = (
-                {option: _step(model, names, forward, option, flops=False, fake=mode) for option in OPTIONS},
-                {option: _step(model, names, forward, option, flops=True, fake=mode).flops if option != "keep" else {}
-                 for option in OPTIONS})
+                stepped, {option: dict(r.flops) if option != "keep" else {} for option, r in stepped.items()})
         recorders, flops = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
         forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
@@ -480,7 +485,7 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
                    forward_running: dict[str, int]) -> tuple[dict[str, dict[str, Cost]], dict[str, Chain]]:
     """Each level of parts below ``names``, as :func:`profile` measures the layers: their options and chains.
 
-    Five steps per level, every part of the level under one option, the levels
+    Three steps per level, every part of the level under one option, the levels
     above recorded as windows, unwrapped. A module gets a chain (``inside.Chain``)
     when it ran once and each of its parts ran once in it. A part's option that
     keeps no less and runs no lighter than ``keep`` is dropped (never worth a
@@ -496,11 +501,11 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
             break
         around = [name for above in levels for name in above]
         try:
-            keep = _step(model, level, forward, "keep", flops=False, fake=mode, around=around)
+            keep = _step(model, level, forward, "keep", fake=mode, around=around)
             twice = {part for part in level if keep.calls[part] > 1}
             if twice:  # a part called twice (a shared drop-path) is no candidate: its calls are its layer's own ops
                 level = [part for part in level if part not in twice]
-                keep = _step(model, level, forward, "keep", flops=False, fake=mode, around=around) if level else None
+                keep = _step(model, level, forward, "keep", fake=mode, around=around) if level else None
             steps = _parts_steps(model, level, forward, mode, around, keep) if level else {}
         except Exception as err:  # noqa: BLE001 -- parts are an extra: the layers' own options stand
             log.debug("ckpt=auto: no candidates inside %s: checkpointing its parts fails (%s: %s)",
@@ -537,16 +542,15 @@ def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[st
     """The activation peak of one step with ``choices`` on (a plan's: nested names nest), measured as profiled."""
     with (cache_warnings_silenced(), checkpointing_disabled(model),
           fake_measurement(model, "ckpt=auto's profile") as mode):
-        return _step(model, list(choices), forward, dict(choices), flops=False, fake=mode if fake else None).analyse()[2]
+        return _step(model, list(choices), forward, dict(choices), fake=mode if fake else None).analyse()[2]
 
 
 def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any], mode: Any,
                  around: list[str], keep: _Recorder) -> dict[str, tuple[_Recorder, dict[str, int]]]:
     """Option -> (the memory step's recorder, recomputed FLOPs by part) with every part of ``level`` under it;
     ``keep``'s memory step is given (it ran first, to find the parts called twice)."""
-    return {o: (keep if o == "keep" else _step(model, level, forward, o, flops=False, fake=mode, around=around),
-                _step(model, level, forward, o, flops=True, fake=mode, around=around).flops if o != "keep" else {})
-            for o in OPTIONS}
+    stepped = {o: keep if o == "keep" else _step(model, level, forward, o, fake=mode, around=around) for o in OPTIONS}
+    return {o: (r, dict(r.flops) if o != "keep" else {}) for o, r in stepped.items()}
 
 
 def _with_inside(measured: Profile) -> Profile:
@@ -604,19 +608,18 @@ def chain_costs(model: nn.Module, names: list[str], forward: Callable[[], Any], 
                 fake: bool = True) -> tuple[ChainCosts, int]:
     """What ``planning/rotor.py`` plans a chain of ``names`` (in the order they run) with, and the act peak without.
 
-    Three steps on fake tensors (``fake=False``: real ones, for tests): memory
+    Two steps on fake tensors (``fake=False``: real ones, for tests): memory
     with every layer as it is and with every layer checkpointed alone, which
     splits into its forward inside a region and its recomputation as a region's
-    last layer, and the FLOPs of that second step (forward and recomputed).
+    last layer, and the FLOPs the second counts (forward and recomputed).
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
     with (cache_warnings_silenced(), checkpointing_disabled(model),
           fake_measurement(model, "ckpt.segments=optimal's profile") as mode):
         mode = mode if fake else None
-        plain = _step(model, names, forward, "keep", flops=False, fake=mode)
-        alone = _step(model, names, forward, "full", flops=False, fake=mode)
-        counted = _step(model, names, forward, "full", flops=True, fake=mode)
+        plain = _step(model, names, forward, "keep", fake=mode)
+        alone = counted = _step(model, names, forward, "full", fake=mode)
     kept, running, peak = plain.analyse()
     inputs = alone.analyse()[0]  # checkpointed, a layer keeps its inputs only
     phase = alone.phase_running
