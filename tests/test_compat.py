@@ -17,6 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled
+from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import _compat
 
@@ -581,3 +582,22 @@ def test_compile_failures_are_what_fullgraph_compile_raises() -> None:
 def test_recompile_limit_follows_torch_setting() -> None:
     with torch._dynamo.config.patch(recompile_limit=3):
         assert _compat.recompile_limit() == 3
+
+
+@pytest.mark.parametrize(("op", "args"), [
+    (torch.ops.aten.mm.default, lambda: (torch.randn(5, 7), torch.randn(7, 3))),  # by the registry's formula
+    (torch.ops.aten.bmm.default, lambda: (torch.randn(2, 5, 7), torch.randn(2, 7, 3))),
+    (torch.ops.aten.convolution.default,
+     lambda: (torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
+    (torch.ops.aten.linear.default, lambda: (torch.randn(5, 7), torch.randn(3, 7), torch.randn(3))),  # decomposed
+    (torch.ops.aten.matmul.default, lambda: (torch.randn(2, 5, 7), torch.randn(7, 3))),
+    (torch.ops.aten.add.Tensor, lambda: (torch.randn(5), torch.randn(5))),  # no FLOPs counted
+])
+def test_op_flops_counts_what_flop_counter_mode_counts(op, args) -> None:
+    """``op_flops`` (the profile's FLOPs, counted in its memory steps) against FlopCounterMode running the op:
+    the registry's formula, or for an op FlopCounterMode decomposes, its decomposition counted on the side."""
+    args = args()
+    with FlopCounterMode(display=False) as counter:
+        out = op(*args)
+    assert _compat.op_flops(op, args, {}, out) == counter.get_total_flops()
+    assert counter.get_total_flops() > 0 or op is torch.ops.aten.add.Tensor
