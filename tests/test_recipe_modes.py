@@ -78,6 +78,18 @@ def test_auto_from_the_entry_point_prints_its_plan(tmp_path: Path) -> None:
     assert OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").ckpt.budget == 0.5
 
 
+def test_budget_min_composes_and_reaches_the_callback() -> None:
+    from conftest import compose_train
+    from hydra.utils import instantiate
+
+    from ckpt_plugin.configs.app import check_app_config
+
+    cfg = compose_train("ckpt=auto", "ckpt.budget=min")
+    check_app_config(cfg)  # the typed checks a Hydra app runs: "min" is a budget, not a slip
+    callback = instantiate(cfg.callbacks.activation_checkpointing)
+    assert callback.config.budget == "min"
+
+
 def test_auto_without_a_budget_is_an_error(tmp_path: Path) -> None:
     from conftest import compose_train
     from hydra.utils import instantiate

@@ -228,8 +228,8 @@ class FullConfig(LayerSelection):
     # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain;
     # 'optimal': the nesting of regions with the least recomputation that fits ckpt.budget (Rotor).
     segments: Any = None
-    # With segments=optimal only: a fraction of the activation peak without checkpointing (0.3) or a
-    # size (2GiB), read as ckpt=auto reads its budget.
+    # With segments=optimal only: a fraction of the activation peak without checkpointing (0.3), a
+    # size (2GiB) or min (the least peak any nesting reaches), read as ckpt=auto reads its budget.
     budget: Any = None
     # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
     offload: bool = False
@@ -323,7 +323,8 @@ class AutoConfig(LayerSelection):
     """``ckpt=auto``: per layer keep, selective or full, the least recompute that fits a budget."""
 
     mode: str = "auto"
-    # A fraction of the activation peak without checkpointing (0.4) or a size (2GiB). Required.
+    # A fraction of the activation peak without checkpointing (0.4), a size (2GiB), or min (the least
+    # peak the planner reaches). Required.
     budget: Any = None
     preserve_rng_state: bool = True
     # Run each layer the plan checkpoints compiled, its checkpoint included.
