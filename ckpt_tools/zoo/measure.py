@@ -64,6 +64,25 @@ def _calls(model: nn.Module) -> dict[str, tuple]:
     return {n: ("forward" in m.__dict__, hook_count(m)) for n, m in model.named_modules()}
 
 
+def _cache_off(model: nn.Module) -> nn.Module:
+    """``use_cache=False`` in every Hugging Face config of ``model``, as a checkpointed training call runs.
+
+    The plugin (as HF's own ``gradient_checkpointing_enable()``) runs a model above
+    checkpointed layers with its KV cache off in training. A filled cache hands
+    attention contiguous copies of the keys where the uncached call hands it a
+    transposed view: the same values, but the matmul's backward rounds them
+    differently on some CPUs (GPT-2 and T5 differ from the cached call by up to
+    7e-9 on an AMD EPYC with AVX-512, not at all on the machines before it).
+    So the baseline a bitwise comparison is made against is the same call with
+    the cache off (T5's decoder has a config of its own: every module's is set).
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
+    return model
+
+
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)  # Wav2Vec2's and HuBERT's training-time masking (SpecAugment) draws from numpy
@@ -97,7 +116,7 @@ def _differences(a: Run, b: Run) -> list[str]:
 def measure(entry: ZooModel) -> ZooResult:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF's config notes and "use_cache=False" advice: known here
-        plain = entry.build()
+        plain = _cache_off(entry.build())
         none = _train(entry, plain)
         model = entry.build()
         before = _names(model)
