@@ -213,6 +213,8 @@ def test_profile_measures_what_the_package_measures(gpt: dict) -> None:
     with FlopCounterMode(display=False) as counter:
         forward()
     block_flops = [sum(counter.get_flop_counts()[f"GPT.{n}"].values()) for n in BLOCKS]
+    # A GPT block's attention is a batched matmul: selective_nb keeps less than selective, more than full.
+    assert all(set(layer.options) == set(OPTIONS) for layer in prof.layers)
     for option in OPTIONS:
         how = _treatment(option)
         for name in BLOCKS:
@@ -287,6 +289,7 @@ def _treatment(option: str) -> Treatment | None:
     return {
         "keep": None,
         "selective": Treatment(policy=make_policy("matmuls")),
+        "selective_nb": Treatment(policy=make_policy("matmuls_no_batch")),
         "full": Treatment(checkpointing=True),
     }[option]
 

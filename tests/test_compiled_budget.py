@@ -113,7 +113,7 @@ def test_measure_compiled_budget_rows(results: dict[str, Result]) -> None:  # af
         assert row["act_fraction"] == row["saved_bytes"] / result["compiled_none"]["saved_bytes"] < 1
         assert row["step_seconds"] > 0 and row["time_ratio"] > 0
     assert full["saved_bytes"] < auto["saved_bytes"]  # full keeps the block inputs alone
-    assert "keep and selective and full compiled (aot_eager))" in auto["plan"] and auto["wrapped"]
+    assert "keep, selective, selective_nb and full compiled (aot_eager))" in auto["plan"] and auto["wrapped"]
     with pytest.raises(ValueError, match=r"plugin rows 'plugin_ful': valid rows are plugin_full, plugin_selective"):
         measure_compiled_budget(quick=True, backend="aot_eager", plugin=["plugin_ful"])
 

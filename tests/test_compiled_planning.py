@@ -55,13 +55,14 @@ def _auto(**keys):
 @pytest.mark.parametrize(("keys", "user_compiled", "expected"), [
     ({}, False, {}),
     ({}, True, ALL),
-    ({"compile": "aot_eager"}, False, {"selective": "aot_eager", "full": "aot_eager"}),
+    ({"compile": "aot_eager"}, False, {"selective": "aot_eager", "selective_nb": "aot_eager", "full": "aot_eager"}),
     ({"compile": True}, True, ALL),
     ({"timing": "eager"}, True, {}),
     ({"timing": "eager", "compile": True}, False, {}),
     ({"timing": "compiled"}, False, ALL),
     ({"timing": "aot_eager"}, False, dict.fromkeys(OPTIONS, "aot_eager")),
-    ({"timing": "aot_eager", "compile": True}, False, {"selective": "aot_eager", "full": "aot_eager"}),
+    ({"timing": "aot_eager", "compile": True}, False,
+     {"selective": "aot_eager", "selective_nb": "aot_eager", "full": "aot_eager"}),
 ], ids=["eager-step", "user-compiled", "regional", "regional-in-user-compiled", "forced-eager",
         "forced-eager-regional", "compiled", "named-backend", "named-backend-regional"])
 def test_the_options_are_timed_as_the_step_runs_them(keys, user_compiled, expected) -> None:
@@ -110,17 +111,17 @@ def test_each_option_compiles_once_for_all_alike_blocks_and_leaves_no_trace() ->
     torch._dynamo.utils.counters.clear()
     times = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
                                 repeats=1, compiled=dict.fromkeys(OPTIONS, counting))
-    assert counting.graphs == 3  # keep, selective and full: one graph each for the four alike blocks
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3  # nothing of the user's compiled
+    assert counting.graphs == 4  # keep, selective, selective_nb and full: one graph each for the four alike blocks
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4  # nothing of the user's compiled
     assert set(times.seconds) == set(BLOCKS) and all(set(row) == set(OPTIONS) for row in times.seconds.values())
-    assert times.how.startswith("keep and selective and full compiled (")
+    assert times.how.startswith("keep, selective, selective_nb and full compiled (")
     assert all(p.grad is None for p in model.parameters())
     assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == forwards
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not torch.compiler.is_compiling()
     # torch.compile's stance is its default again: the user's compiled block compiles when called.
     model.loss(batch)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 5
 
 
 def test_only_the_options_asked_run_compiled() -> None:
@@ -130,8 +131,8 @@ def test_only_the_options_asked_run_compiled() -> None:
     times = measure_layer_times(model, BLOCKS[:2], lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
                                 repeats=1, compiled={"selective": counting, "full": counting})
     assert counting.graphs == 2
-    assert times.how == f"selective and full compiled ({counting}), keep eager"
-    with pytest.raises(ValueError, match=r"compiled names 'al', not options: keep, selective, full"):
+    assert times.how == f"selective and full compiled ({counting}); keep and selective_nb eager"
+    with pytest.raises(ValueError, match=r"compiled names 'al', not options: keep, selective, selective_nb, full"):
         measure_layer_times(model, BLOCKS[:2], lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
                             compiled={"al": "aot_eager"})
 
@@ -146,7 +147,7 @@ def test_auto_on_a_model_the_user_compiled_plans_compiled_and_trains_bitwise(cap
     caplog.set_level(logging.INFO, logger="ckpt_plugin")
     wrapped = apply_checkpointing(ours, layers="blocks.*", mode="auto", budget=0.6, timing="aot_eager")
     assert wrapped
-    assert "measured layer by layer, keep and selective and full compiled (aot_eager))" in caplog.text
+    assert "measured layer by layer, keep, selective, selective_nb and full compiled (aot_eager))" in caplog.text
     losses = []
     for model in (plain, ours):
         torch.manual_seed(3)
@@ -210,4 +211,4 @@ def test_the_plan_counts_the_bytes_the_compiled_options_keep() -> None:
         shift += compiled["keep"] - before.options["keep"].kept_bytes
     assert shift < 0  # compiled, a kept block keeps less: the partitioner recomputes cheap ops
     assert planned.no_ckpt_peak == eager.no_ckpt_peak + shift  # a fraction budget is of the step as it runs
-    assert planned.timed_as == "keep and full compiled (aot_eager), selective eager"
+    assert planned.timed_as == "keep and full compiled (aot_eager); selective and selective_nb eager"

@@ -253,6 +253,9 @@ def _unreachable(budget: int, least: int, reference: int, by: str = "ckpt.segmen
             f"least {min(fraction, 1):g} or {least}B")
 
 
+WRAPPING = tuple(o for o in OPTIONS if o != "keep")  # the options that wrap a layer (ckpt.compile compiles them)
+
+
 def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool) -> dict[str, str]:
     """Which options ``ckpt=auto`` times compiled, through which backend (option -> backend).
 
@@ -268,12 +271,12 @@ def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool)
         if user_compiled:
             timing = backend or DEFAULT_BACKEND
         elif backend is not None:
-            return {"selective": backend, "full": backend}
+            return dict.fromkeys(WRAPPING, backend)
         else:
             return {}
     chosen = DEFAULT_BACKEND if timing == "compiled" else timing
     if backend is not None and not user_compiled:  # ckpt.compile: the kept layers stay eager
-        return {"selective": chosen, "full": chosen}
+        return dict.fromkeys(WRAPPING, chosen)
     return dict.fromkeys(OPTIONS, chosen)
 
 

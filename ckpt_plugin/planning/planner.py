@@ -36,7 +36,15 @@ from typing import Any
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.measure.units import format_bytes
 
-OPTIONS = ("keep", "selective", "full")  # in order of intrusiveness: ties in FLOPs go left
+# In order of intrusiveness (ties in cost go left): ``selective`` saves every matmul's output
+# (policy ``matmuls``), ``selective_nb`` only those without a batch dimension (``matmuls_no_batch``,
+# JAX's ``dots_with_no_batch_dims_saveable``): a transformer block's linear layers kept, its
+# attention recomputed. Between the two in what a block keeps; under torch.compile, where the
+# recomputed attention fuses into the backward, it meets a budget between them for less than
+# mixing ``selective`` with ``full`` (issue #22).
+OPTIONS = ("keep", "selective", "selective_nb", "full")
+POLICY_OF = {"selective": "matmuls", "selective_nb": "matmuls_no_batch"}  # each selective option's policy
+PART_OPTIONS = ("keep", "selective", "full")  # a layer's parts (inside.py): one memory step less per level
 INSIDE = "inside"  # a layer left unwrapped, parts of it checkpointed (``inside.py``)
 
 
@@ -81,7 +89,7 @@ class Cost:
 @dataclass(frozen=True)
 class LayerProfile:
     name: str
-    options: dict[str, Cost]  # "keep" / "selective" / "full" (and inside.py's options inside it) -> Cost
+    options: dict[str, Cost]  # an option of OPTIONS (and inside.py's options inside it) -> Cost
 
 
 @dataclass(frozen=True)
@@ -170,12 +178,13 @@ class Plan:
         names = [n for n, *_ in self.rows]
         shown = ["  " * sum(n.startswith(a + ".") for a in names) + n for n in names]
         width = max(len("total (peak)"), len(REST), *(len(n) for n in shown))
-        lines = [f"{'layer':<{width}}  {'option':<9}  {'kept':>10}  {'recompute FLOPs':>16}"]
-        lines += [f"{n:<{width}}  {o:<9}  {format_bytes(b):>10}  {f:>16,}"
+        wide = max(len("selective"), *(len(o) for _, o, _, _ in self.rows))
+        lines = [f"{'layer':<{width}}  {'option':<{wide}}  {'kept':>10}  {'recompute FLOPs':>16}"]
+        lines += [f"{n:<{width}}  {o:<{wide}}  {format_bytes(b):>10}  {f:>16,}"
                   for n, (_, o, b, f) in zip(shown, self.rows)]
-        lines.append(f"{REST:<{width}}  {'':<9}  {format_bytes(self.rest_bytes):>10}")
+        lines.append(f"{REST:<{width}}  {'':<{wide}}  {format_bytes(self.rest_bytes):>10}")
         peak, flops = format_bytes(self.predicted_peak), self.recompute_flops
-        lines.append(f"{'total (peak)':<{width}}  {'':<9}  {peak:>10}  {flops:>16,}")
+        lines.append(f"{'total (peak)':<{width}}  {'':<{wide}}  {peak:>10}  {flops:>16,}")
         how = "measured with the plan on (fake tensors)" if self.peak_measured else f"while {self.peak_at} runs"
         lines.append(f"predicted activation peak {format_bytes(self.predicted_peak)} ({self.predicted_peak} B), "
                      f"{how}, <= budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B)")

@@ -64,7 +64,7 @@ from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
 from ckpt_plugin.planning.timing import LayerTimes, TimingCache, check_candidates, measure_layer_times
-from ckpt_plugin.planning.planner import INSIDE, OPTIONS, Cost, LayerProfile, Plan, Profile, plan
+from ckpt_plugin.planning.planner import INSIDE, OPTIONS, PART_OPTIONS, POLICY_OF, Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.engine.blocks import has_forward
@@ -82,7 +82,7 @@ def treatment(option: str, preserve_rng_state: bool = True) -> Treatment | None:
     """How a layer runs under ``option``: None for ``keep`` (leave it unwrapped)."""
     if option == "keep":
         return None
-    policy = make_policy("matmuls") if option == "selective" else None
+    policy = make_policy(POLICY_OF[option]) if option in POLICY_OF else None
     return Treatment(checkpointing=True, preserve_rng_state=preserve_rng_state, policy=policy)
 
 
@@ -448,6 +448,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         })
         for name in names
     ]
+    layers = _useful_options(layers)
     # The planner's peak model follows the order the layers run in; layers that never ran go last.
     ran = recorders["keep"].order
     layers.sort(key=lambda layer: ran.index(layer.name) if layer.name in ran else len(ran))
@@ -463,10 +464,26 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     if not timed:
         return _with_inside(measured)
     timed_parts = {name: list(options) for name, options in parts.items() if len(options) > 1}
+    offered = [o for o in OPTIONS if o in measured.layers[0].options] if measured.layers else list(OPTIONS)
     with cache_warnings_silenced():
-        times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS}, compiled=compiled,
+        times = measure_layer_times(model, names, forward, {o: treatment(o) for o in offered},
+                                    compiled={o: b for o, b in (compiled or {}).items() if o in offered},
                                     parts=timed_parts, cache=cache.timings)
     return with_times(measured, times)
+
+
+def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
+    """``layers`` without ``selective_nb`` where it is no option of its own: on no layer does it keep less than
+    ``selective`` and more than ``full`` (a ResNet's blocks have no matmul it saves, so it would keep what
+    ``full`` keeps, recomputing as much, through a policy). Then it is neither timed nor planned with."""
+
+    def between(layer: LayerProfile) -> bool:
+        o = layer.options
+        return o["full"].kept_bytes < o["selective_nb"].kept_bytes < o["selective"].kept_bytes
+
+    if any(between(layer) for layer in layers):
+        return layers
+    return [replace(layer, options={o: c for o, c in layer.options.items() if o != "selective_nb"}) for layer in layers]
 
 
 INSIDE_DEPTH = 2  # ckpt=auto: a layer's children and their children are candidates too
@@ -549,7 +566,8 @@ def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any],
                  around: list[str], keep: _Recorder) -> dict[str, tuple[_Recorder, dict[str, int]]]:
     """Option -> (the memory step's recorder, recomputed FLOPs by part) with every part of ``level`` under it;
     ``keep``'s memory step is given (it ran first, to find the parts called twice)."""
-    stepped = {o: keep if o == "keep" else _step(model, level, forward, o, fake=mode, around=around) for o in OPTIONS}
+    stepped = {o: keep if o == "keep" else _step(model, level, forward, o, fake=mode, around=around)
+               for o in PART_OPTIONS}
     return {o: (r, dict(r.flops) if o != "keep" else {}) for o, r in stepped.items()}
 
 

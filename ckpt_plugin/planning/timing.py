@@ -120,8 +120,8 @@ class LayerTimes:
         for option, backend in self.compiled.items():
             by_backend.setdefault(backend, []).append(option)
         eager = [o for o in next(iter(self.seconds.values()), {}) if o not in self.compiled]
-        parts = [f"{' and '.join(options)} compiled ({backend})" for backend, options in by_backend.items()]
-        return ", ".join(parts + ([f"{' and '.join(eager)} eager"] if eager else []))
+        parts = [f"{_listed(options)} compiled ({backend})" for backend, options in by_backend.items()]
+        return "; ".join(parts + ([f"{_listed(eager)} eager"] if eager else []))
 
     def added(self, name: str, option: str) -> float:
         """What ``option`` adds to the step over not checkpointing layer ``name`` (0 for ``keep``)."""
@@ -149,6 +149,11 @@ class LayerTimes:
         lines.append(f"step with every layer full: {1e3 * self.full_step_seconds:.1f} ms, "
                      f"predicted without checkpointing: {1e3 * self.predicted_none_seconds:.1f} ms; timed {self.how}")
         return "\n".join(lines)
+
+
+def _listed(words: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def measure_layer_times(
