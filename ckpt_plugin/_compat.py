@@ -514,3 +514,11 @@ def recompile_limit() -> int:
     import torch._dynamo  # private
 
     return torch._dynamo.config.recompile_limit
+
+
+def forget_compiled(fn: Any) -> None:
+    """Drop every graph dynamo compiled for ``fn``'s code object (private): a function of ours compiled
+    once per plan would otherwise keep each plan's graphs, and guards, for the life of the process."""
+    import torch._dynamo.eval_frame  # private
+
+    torch._dynamo.eval_frame.reset_code(fn.__code__)

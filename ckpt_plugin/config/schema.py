@@ -320,7 +320,7 @@ class OffloadConfig(LayerSelection):
 
 @dataclass(kw_only=True)
 class AutoConfig(LayerSelection):
-    """``ckpt=auto``: per layer keep, selective or full, the least recompute that fits a budget."""
+    """``ckpt=auto``: per layer keep, selective (two policies) or full, the least recompute that fits a budget."""
 
     mode: str = "auto"
     # A fraction of the activation peak without checkpointing (0.4), a size (2GiB), or min (the least

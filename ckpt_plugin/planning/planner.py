@@ -193,10 +193,10 @@ class Plan:
                          "under a full layer: inside its recomputation); the layer's row includes them")
         if self.predicted_time_ratio is not None:
             lines.append(f"predicted step time {self.predicted_time_ratio:.2f}x that without checkpointing "
-                         f"(+{1e3 * self.recompute_seconds:.1f} ms of recomputation, measured layer by layer"
+                         f"({1e3 * self.recompute_seconds:+.1f} ms of recomputation, measured layer by layer"
                          + (f", {self.timed_as})" if self.timed_as else ")"))
         elif self.timed_as:  # timed, but the step without checkpointing came out <= 0 (noise on a loaded machine)
-            lines.append(f"options chosen by added step time (+{1e3 * self.recompute_seconds:.1f} ms of "
+            lines.append(f"options chosen by added step time ({1e3 * self.recompute_seconds:+.1f} ms of "
                          f"recomputation, measured layer by layer, {self.timed_as}); the step without "
                          "checkpointing could not be predicted from these timings, so no ratio")
         return "\n".join(lines)

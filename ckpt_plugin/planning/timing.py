@@ -79,6 +79,7 @@ stay; the cost is one forward, ``3 x (repeats + 1)`` runs of each *kind* of laye
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -88,12 +89,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import keystr, tree_flatten_with_path, tree_leaves, tree_map
+from ckpt_plugin._compat import forget_compiled, keystr, tree_flatten_with_path, tree_leaves, tree_map
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.engine.side_effects import without_cache
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
 from ckpt_plugin.measure.memory import SavedCounter, side_effect_free
+
+log = logging.getLogger("ckpt_plugin")
 
 # (option, or "option compiled (backend)", layer kind and input signature) -> seconds of one call; see
 # measure_layer_times' ``cache``.
@@ -110,6 +113,9 @@ class LayerTimes:
     # layer -> compiled option -> bytes its compiled calls keep for backward (its inputs included), summed over calls
     kept_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     parts: tuple[str, ...] = ()  # of ``seconds``, the parts inside layers (timed alone, not in the step with every layer full)
+    # What the rest of the model keeps when the whole step runs compiled with every layer ``full`` (None: not
+    # measured; see ``measure_layer_times``' ``whole_step``).
+    compiled_rest_bytes: int | None = None
 
     @property
     def how(self) -> str:
@@ -168,6 +174,7 @@ def measure_layer_times(
     clock: Callable[[], float] = time.perf_counter,
     compiled: Mapping[str, str] | None = None,
     parts: Mapping[str, Collection[str]] | None = None,
+    whole_step: bool = False,
 ) -> LayerTimes:
     """Time every option of every candidate layer (qualified names) on real inputs, one layer at a time.
 
@@ -210,6 +217,19 @@ def measure_layer_times(
     inputs in the same no-grad forward (never inside the timing of its layer),
     alike parts once; they take no part in the step with every layer ``full``.
 
+    ``whole_step`` (with ``keep`` compiled: the whole step will run compiled, the
+    model compiled by the user): also what the rest of the model keeps in that
+    compiled step, with every layer ``full``, as ``compiled_rest_bytes``. The
+    layers' compiled calls cannot show it: compiled whole, the partitioner sees
+    across the layers, and one constant that CSE merges from every layer's
+    region into the first (the zero attention bias of SDPA's decomposition:
+    (B, heads, T, T), 8 MiB on the example GPT) is used by later regions, so
+    torch saves it (``cleanup_recompute_tags`` saves a recomputable node whose
+    user is in a later region), outside every layer. The step is traced and
+    partitioned once, through ``aot_eager_decomp_partition`` for inductor (its
+    decompositions and partitioner, no code generated), the backend itself for
+    another.
+
     Leaves no trace: RNG streams, buffers (BatchNorm statistics), every
     parameter's ``.grad`` and every module's ``forward`` (a model already wrapped
     is measured unwrapped and gets its very wrappers back) are as they were.
@@ -240,10 +260,14 @@ def measure_layer_times(
             timed = dict.fromkeys(names, list(options)) | parts
             _time_layers(modules, timed, forward, runs, repeats, cache, seconds, kept, now)
             full_step = _time_full_step(modules, names, forward, runs, step_repeats, now)
+            rest = None
+            if whole_step and "keep" in compiled:
+                total = _whole_step_bytes(modules, names, forward, options["full"], compiled["keep"])
+                rest = None if total is None else max(total - sum(kept[name]["full"] for name in names), 0)
     finally:
         for p, g in grads.items():
             p.grad = g
-    return LayerTimes(seconds, full_step, compiled, kept if compiled else {}, tuple(parts))
+    return LayerTimes(seconds, full_step, compiled, kept if compiled else {}, tuple(parts), rest)
 
 
 class _Runs:
@@ -395,6 +419,41 @@ def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Ca
             else:
                 modules[name].__dict__["forward"] = forward_before
     return statistics.median(samples)
+
+
+PARTITION_ONLY = {"inductor": "aot_eager_decomp_partition"}  # a backend -> one that partitions alike, generating no code
+
+
+def _whole_step_bytes(modules: dict[str, nn.Module], names: list[str], forward: Callable[[], Any],
+                      full: Treatment, backend: Any) -> int | None:
+    """Bytes the forward keeps for backward with the whole step compiled through ``backend``'s partition and
+    every layer ``full`` (wrapped eagerly, as the plugin installs it under a user's torch.compile); None when
+    it does not compile (the plan then counts the rest's eager bytes)."""
+    previous = {name: modules[name].__dict__.get("forward") for name in names}
+    counter = SavedCounter(modules[""])
+    try:
+        for name in names:
+            modules[name].__dict__["forward"] = CheckpointedForward(modules[name], full, name)
+        compiled = torch.compile(_whole, backend=PARTITION_ONLY.get(backend, backend))
+        with torch.compiler.set_stance("default"), torch.enable_grad(), counter.hooks():
+            out = compiled(forward)
+        del out
+        return counter.result.total
+    except Exception as err:  # noqa: BLE001 -- an estimate: without it the plan counts the rest eagerly
+        log.debug("ckpt=auto: the whole step did not compile for its rest's bytes (%s: %s)", type(err).__name__, err)
+        return None
+    finally:
+        forget_compiled(_whole)
+        for name, forward_before in previous.items():
+            if forward_before is None:
+                modules[name].__dict__.pop("forward", None)
+            else:
+                modules[name].__dict__["forward"] = forward_before
+
+
+def _whole(forward: Callable[[], Any]) -> Any:
+    """The step's forward, as :func:`_whole_step_bytes` compiles it (a code object of ours, forgotten after)."""
+    return forward()
 
 
 def _fresh(x: Any) -> Any:
