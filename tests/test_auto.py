@@ -336,6 +336,8 @@ def test_the_resnet_plan_predicts_its_peak_within_5_percent(fraction: float) -> 
         model.zero_grad(set_to_none=True)
 
     prof = profile(model, names, lambda: model.loss(batch))
+    # Convolutions are no matmul without a batch dimension: selective_nb would keep what full keeps; not offered.
+    assert all(set(layer.options) == {"keep", "selective", "full"} for layer in prof.layers)
     budget = int(fraction * prof.no_ckpt_peak)
     p = prof.plan(budget)
     install(model, wrap_plan(p))

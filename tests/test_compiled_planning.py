@@ -8,6 +8,11 @@
   blocks (a counting backend over ``aot_eager``: exactly three graphs for four
   blocks), leaves the model, its gradients and torch.compile's stance as they were,
   and runs what the user compiled eagerly while it measures (no graph of theirs);
+- an option timed compiled keeps a negative difference to ``keep`` (fused, it can make the
+  step faster), one timed eagerly reads it as 0;
+- with the whole step compiled, what the rest of the model keeps is measured compiled
+  (``whole_step``): exactly what a user's ``torch.compile`` of the loss keeps beyond the
+  layers, more than it keeps eagerly (the attention bias torch saves across regions);
 - ``apply_checkpointing(mode="auto", timing=...)`` on a GPT whose blocks the user
   compiled: the plan says how it was timed, and the compiled, checkpointed step's
   loss and gradients are bitwise those of the same compiled model without the plugin.
@@ -34,7 +39,8 @@ from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.planning.planner import OPTIONS
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.planning.profile import profile, treatment, with_times
-from ckpt_plugin.planning.timing import _kept_bytes, measure_layer_times
+from ckpt_plugin.measure.memory import saved_bytes
+from ckpt_plugin.planning.timing import LayerTimes, _kept_bytes, measure_layer_times
 from ckpt_tools.workloads import MODELS, build
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
@@ -212,3 +218,47 @@ def test_the_plan_counts_the_bytes_the_compiled_options_keep() -> None:
     assert shift < 0  # compiled, a kept block keeps less: the partitioner recomputes cheap ops
     assert planned.no_ckpt_peak == eager.no_ckpt_peak + shift  # a fraction budget is of the step as it runs
     assert planned.timed_as == "keep and full compiled (aot_eager); selective and selective_nb eager"
+
+
+def test_a_compiled_option_may_save_time_an_eager_one_never_does() -> None:
+    """``with_times``: the measured difference to ``keep`` stands for an option timed compiled, negative too
+    (compiled, ``selective`` ran faster than ``none`` on the example GPT); eagerly, less than ``keep`` is noise."""
+    model = small_gpt(dropout=0.0, n_layer=2)
+    batch = gpt_batch(model)
+    eager = profile(model, BLOCKS[:2], lambda: model.loss(batch))
+    seconds = {name: {"keep": 0.010, "selective": 0.008, "selective_nb": 0.009, "full": 0.012} for name in BLOCKS[:2]}
+    times = LayerTimes(seconds, full_step_seconds=0.1, compiled={"selective": "aot_eager"})
+    planned = with_times(eager, times)
+    for layer in planned.layers:
+        assert layer.options["selective"].seconds == pytest.approx(-0.002)  # compiled: faster than keep, as measured
+        assert layer.options["selective_nb"].seconds == 0.0  # eager: no faster than keep
+        assert layer.options["full"].seconds == pytest.approx(0.002)
+    # With the budget of the whole peak nothing is wrapped; below it the planner takes the faster option.
+    chosen = planned.plan(int(0.9 * planned.no_ckpt_peak))
+    assert set(chosen.choices.values()) <= {"keep", "selective"} and "selective" in chosen.choices.values()
+
+
+def test_the_rest_of_a_step_compiled_whole_is_measured_compiled() -> None:
+    """``whole_step``: what the rest of the model keeps with the step compiled whole and every layer ``full``
+    equals what a user's ``torch.compile`` of the loss keeps beyond the layers' compiled ``full`` calls, and the
+    plan counts it (more than the eager rest: torch saves the SDPA decomposition's zero bias, CSE'd from every
+    block's region into the first, for the later regions)."""
+    quick = build(MODELS["gpt"], "none", quick=True)
+    model, batch = quick.model, quick.batch
+    backend = "aot_eager_decomp_partition"  # inductor's decompositions and partitioner, as for inductor
+    times = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                                repeats=1, compiled=dict.fromkeys(OPTIONS, backend), whole_step=True)
+    eager = profile(model, BLOCKS, lambda: model.loss(batch))
+    assert times.compiled_rest_bytes > eager.rest_bytes
+    apply_checkpointing(model, layers="blocks.*", mode="full")
+    loss = torch.compile(model.loss, backend=backend, fullgraph=True)
+    whole = saved_bytes(model, lambda: loss(batch), owners=[]).total
+    remove_checkpointing(model)
+    assert whole == times.compiled_rest_bytes + sum(times.kept_bytes[name]["full"] for name in BLOCKS)
+    planned = with_times(eager, times)
+    assert planned.rest_bytes == times.compiled_rest_bytes
+    assert planned.rest_running == eager.rest_running + times.compiled_rest_bytes - eager.rest_bytes
+    # Without the whole step compiled (ckpt.compile: the rest runs eagerly) nothing of it is compiled.
+    regional = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
+                                   repeats=1, compiled={"full": backend}, whole_step=True)
+    assert regional.compiled_rest_bytes is None
