@@ -243,22 +243,24 @@ def test_the_rest_of_a_step_compiled_whole_is_measured_compiled() -> None:
     equals what a user's ``torch.compile`` of the loss keeps beyond the layers' compiled ``full`` calls, and the
     plan counts it (more than the eager rest: torch saves the SDPA decomposition's zero bias, CSE'd from every
     block's region into the first, for the later regions)."""
-    quick = build(MODELS["gpt"], "none", quick=True)
-    model, batch = quick.model, quick.batch
+    model = small_gpt(n_layer=2)  # dropout on: SDPA decomposes (math), with its zero bias
+    batch = gpt_batch(model)
+    blocks = BLOCKS[:2]
     backend = "aot_eager_decomp_partition"  # inductor's decompositions and partitioner, as for inductor
-    times = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
-                                repeats=1, compiled=dict.fromkeys(OPTIONS, backend), whole_step=True)
-    eager = profile(model, BLOCKS, lambda: model.loss(batch))
+    options = {o: treatment(o) for o in OPTIONS}
+    times = measure_layer_times(model, blocks, lambda: model.loss(batch), options, repeats=1,
+                                compiled={"keep": backend, "full": backend}, whole_step=True)
+    eager = profile(model, blocks, lambda: model.loss(batch))
     assert times.compiled_rest_bytes > eager.rest_bytes
     apply_checkpointing(model, layers="blocks.*", mode="full")
     loss = torch.compile(model.loss, backend=backend, fullgraph=True)
     whole = saved_bytes(model, lambda: loss(batch), owners=[]).total
     remove_checkpointing(model)
-    assert whole == times.compiled_rest_bytes + sum(times.kept_bytes[name]["full"] for name in BLOCKS)
+    assert whole == times.compiled_rest_bytes + sum(times.kept_bytes[name]["full"] for name in blocks)
     planned = with_times(eager, times)
     assert planned.rest_bytes == times.compiled_rest_bytes
     assert planned.rest_running == eager.rest_running + times.compiled_rest_bytes - eager.rest_bytes
     # Without the whole step compiled (ckpt.compile: the rest runs eagerly) nothing of it is compiled.
-    regional = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
-                                   repeats=1, compiled={"full": backend}, whole_step=True)
+    regional = measure_layer_times(model, blocks, lambda: model.loss(batch), options, repeats=1,
+                                   compiled={"full": backend}, whole_step=True)
     assert regional.compiled_rest_bytes is None

@@ -63,6 +63,8 @@ MATMULS = MATMULS_NO_BATCH + (
     "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
     "_efficient_attention_forward",
 )
+# What ``matmuls`` saves and ``matmuls_no_batch`` does not, convolutions aside: the batched matmuls (attention).
+BATCHED_MATMULS = frozenset(op for op in MATMULS if op not in MATMULS_NO_BATCH and "conv" not in op)
 POLICIES = ("matmuls", "matmuls_no_batch", "names")
 _OPS_OF = {"matmuls": MATMULS, "matmuls_no_batch": MATMULS_NO_BATCH}  # the policies that are op lists
 
@@ -443,6 +445,7 @@ class _ReplayMode(_RegionMode):
 _RECOMPUTE = object()
 
 __all__ = [
+    "BATCHED_MATMULS",
     "MATMULS",
     "MATMULS_NO_BATCH",
     "POLICIES",

@@ -68,7 +68,7 @@ from ckpt_plugin.planning.planner import INSIDE, OPTIONS, PART_OPTIONS, POLICY_O
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.engine.blocks import has_forward
-from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.policies import BATCHED_MATMULS, make_policy
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
@@ -107,6 +107,7 @@ class _Recorder(TorchDispatchMode):
         self.external = {id(t.untyped_storage()) for t in state}
         self.stack: list[str] = []
         self.counting = True
+        self.batched = False  # whether a batched matmul (attention) ran inside a window: selective_nb differs then
         self.flops: dict[str, int] = defaultdict(int)  # recomputed, by layer
         self.forward_flops: dict[str, int] = defaultdict(int)  # of its forward, by layer
         self.counter: _Recorder | None = None  # counts FLOPs (op_flops) when set: the recorder itself
@@ -166,6 +167,8 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._hold_fake_copy(t)
         out = func(*args, **(kwargs or {}))
+        if self.stack and not self.batched:
+            self.batched = func.overloadpacket.__name__ in BATCHED_MATMULS
         if self.counter is not None:
             self.total_flops += op_flops(func, args, kwargs or {}, out)
         for t in tree_leaves(out):
@@ -434,7 +437,11 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     with silenced, checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
         if (tuple(names), fake) not in cache.steps:
-            stepped = {option: _step(model, names, forward, option, fake=mode) for option in OPTIONS}
+            stepped = {"keep": _step(model, names, forward, "keep", fake=mode)}
+            # Without a batched matmul in the layers, selective_nb saves what selective saves (linear layers
+            # only) or what full does (convolutions): no option of its own, so no step of its own either.
+            offered = [o for o in OPTIONS if o != "selective_nb" or stepped["keep"].batched]
+            stepped |= {option: _step(model, names, forward, option, fake=mode) for option in offered[1:]}
             cache.steps[tuple(names), fake] = (
                 stepped, {option: dict(r.flops) if option != "keep" else {} for option, r in stepped.items()})
         recorders, flops = cache.steps[tuple(names), fake]
@@ -481,7 +488,7 @@ def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
         o = layer.options
         return o["full"].kept_bytes < o["selective_nb"].kept_bytes < o["selective"].kept_bytes
 
-    if any(between(layer) for layer in layers):
+    if all("selective_nb" not in layer.options for layer in layers) or any(between(layer) for layer in layers):
         return layers
     return [replace(layer, options={o: c for o, c in layer.options.items() if o != "selective_nb"}) for layer in layers]
 
