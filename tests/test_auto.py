@@ -1,6 +1,6 @@
 """ckpt=auto: the budget, the profile, the plan's optimality, and the budget met for real.
 
-Optimality is checked against exhaustive search over all 3^L choices; the
+Optimality is checked against exhaustive search over every choice of options per layer (4^L); the
 real check applies the plan to a GPT and measures the step's activation peak
 with MemTracker (``measure.step_memory``), exactly as DESIGN.md says.
 """
@@ -87,7 +87,7 @@ def _level(choices) -> int:
 
 
 def _all_choices(layers, rest, rest_running):
-    """(peak, (seconds, flops, level), choices) of every one of the 3^L choices."""
+    """(peak, (seconds, flops, level), choices) of every one of the choices (4^L with four options)."""
     out = []
     for combo in itertools.product(*(list(layer.options.items()) for layer in layers)):
         # The peak model written out: while layer i runs, layers 1..i-1 keep and it has its running
