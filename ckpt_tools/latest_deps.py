@@ -1,6 +1,6 @@
 """Run the suite against the newest releases our ranges allow (or the lowest), apart from CI's locked run.
 
-    python -m ckpt_tools.latest_deps                 # newest of everything pyproject admits, then pytest -q
+    python -m ckpt_tools.latest_deps                 # newest of everything pyproject admits, then the README's pytest
     python -m ckpt_tools.latest_deps --lowest        # every direct dependency at its declared floor
     python -m ckpt_tools.latest_deps -- -x tests/test_hf.py   # arguments after -- go to pytest
 
@@ -42,7 +42,8 @@ def differences(versions: dict[str, str], lock: dict[str, str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lowest", action="store_true", help="install each direct dependency at its floor")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --); default: -q")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --); default: the README's "
+                        "-q -n 2 --dist loadfile")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ckpt-floors-") as tmp:
         pip_args: list[str] = []
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = differences(versions, locked())
             print(f"{label} releases: {len(versions)} distributions, {len(rows)} differ from {LOCK.name}:")
             print("\n".join(rows) or "  (none)", flush=True)
-            cmd = [env.python, "-m", "pytest", *(args.pytest_args or ["-q"])]
+            cmd = [env.python, "-m", "pytest", *(args.pytest_args or ["-q", "-n", "2", "--dist", "loadfile"])]
             print("+", " ".join(cmd), flush=True)
             return subprocess.run(cmd, cwd=ROOT).returncode
 
