@@ -61,8 +61,9 @@ class ActivationCheckpointing(pl.Callback):
     Args:
         mode: full (torch's checkpoint around each layer: keep its inputs, recompute the rest), selective (save
             the outputs of the ops that policy names, recompute the others), offload (no recompute: what the layers
-            save lives in CPU memory), auto (per layer, the least recompute that fits budget) or none (train
-            without checkpointing; every other key is accepted and ignored).
+            save lives in CPU memory), auto (per layer keep, selective with either matmul policy, or full: the
+            fastest step that fits budget) or none (train without checkpointing; every other key is accepted
+            and ignored).
         layers: The modules to checkpoint, required unless mode is none: auto (the model's repeated block), class
             names (Block), module names (blocks.3), dotted class paths (pkg.models.Block), module-name globs
             (blocks.*) or regexes (re:blocks\\.[0-9]+); one or a list.
