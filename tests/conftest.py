@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import warm_python
+from hydra import compose, initialize_config_dir
+
+from ckpt_plugin.configs import register_configs
+from ckpt_examples.gpt import GPT
+from ckpt_examples.resnet import ResNet
+from recipes.train import train  # noqa: F401  (also registers the recipe's resolver, as running it does)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The README's command runs the suite in two processes (pytest -n 2) on two cores: each runs torch on
@@ -18,12 +24,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # against 8 min 48 s in one process with torch's two threads.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-from hydra import compose, initialize_config_dir
-
-from ckpt_plugin.configs import register_configs
-from ckpt_examples.gpt import GPT
-from ckpt_examples.resnet import ResNet
-from recipes.train import train  # noqa: F401  (also registers the recipe's resolver, as running it does)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "recipes" / "configs"  # the recipe's own: train.yaml, trainer, callbacks/model_checkpoint

@@ -394,12 +394,9 @@ def _kept_bytes(run: Callable[..., Any], module: nn.Module, args: tuple, kwargs:
 def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Callable[[], Any],
                     runs: _Runs, repeats: int, now: Callable[[], float]) -> float:
     """Step 2: median seconds of ``repeats`` real steps (forward and backward) with every candidate ``full``."""
-    previous = {name: modules[name].__dict__.get("forward") for name in names}
     params = list(modules[""].parameters())
     samples = []
-    try:
-        for name in names:
-            modules[name].__dict__["forward"] = runs.of("full", modules[name], name)
+    with _forwards(modules, {name: runs.of("full", modules[name], name) for name in names}):
         for step in range(repeats):
             for p in params:
                 p.grad = None
@@ -412,13 +409,23 @@ def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Ca
                 torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             samples.append(now() - start)  # the layers warmed up in step 1
             del outputs
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def _forwards(modules: dict[str, nn.Module], forwards: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
+    """Each named module called through its given forward for a while; its own forward (or none) after."""
+    previous = {name: modules[name].__dict__.get("forward") for name in forwards}
+    try:
+        for name, run in forwards.items():
+            modules[name].__dict__["forward"] = run
+        yield
     finally:
         for name, forward_before in previous.items():
             if forward_before is None:
                 modules[name].__dict__.pop("forward", None)
             else:
                 modules[name].__dict__["forward"] = forward_before
-    return statistics.median(samples)
 
 
 PARTITION_ONLY = {"inductor": "aot_eager_decomp_partition"}  # a backend -> one that partitions alike, generating no code
@@ -429,26 +436,19 @@ def _whole_step_bytes(modules: dict[str, nn.Module], names: list[str], forward: 
     """Bytes the forward keeps for backward with the whole step compiled through ``backend``'s partition and
     every layer ``full`` (wrapped eagerly, as the plugin installs it under a user's torch.compile); None when
     it does not compile (the plan then counts the rest's eager bytes)."""
-    previous = {name: modules[name].__dict__.get("forward") for name in names}
     counter = SavedCounter(modules[""])
     try:
-        for name in names:
-            modules[name].__dict__["forward"] = CheckpointedForward(modules[name], full, name)
-        compiled = torch.compile(_whole, backend=PARTITION_ONLY.get(backend, backend))
-        with torch.compiler.set_stance("default"), torch.enable_grad(), counter.hooks():
-            out = compiled(forward)
-        del out
+        with _forwards(modules, {name: CheckpointedForward(modules[name], full, name) for name in names}):
+            compiled = torch.compile(_whole, backend=PARTITION_ONLY.get(backend, backend))
+            with torch.compiler.set_stance("default"), torch.enable_grad(), counter.hooks():
+                out = compiled(forward)
+            del out
         return counter.result.total
     except Exception as err:  # noqa: BLE001 -- an estimate: without it the plan counts the rest eagerly
         log.debug("ckpt=auto: the whole step did not compile for its rest's bytes (%s: %s)", type(err).__name__, err)
         return None
     finally:
         forget_compiled(_whole)
-        for name, forward_before in previous.items():
-            if forward_before is None:
-                modules[name].__dict__.pop("forward", None)
-            else:
-                modules[name].__dict__["forward"] = forward_before
 
 
 def _whole(forward: Callable[[], Any]) -> Any:
