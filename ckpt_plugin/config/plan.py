@@ -150,7 +150,7 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
             except ConfigError as err:
                 return _chain_instead(model, config, names, forward, note, measured,
                                       below=smallest_peak(measured.layers, measured.rest_running), refused=err)
-    plan = wrap_plan(chosen, config.preserve_rng_state)
+    plan = wrap_plan(chosen, config.preserve_rng_state, measured.regrouped)
     summary = plan.summary
     if budget.least:
         summary = (f"ckpt.budget=min: the least activation peak reachable by one option per layer"

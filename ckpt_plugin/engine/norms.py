@@ -15,15 +15,23 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ckpt_plugin.engine.op_groups import OpGroup
+
 # Buffers that a forward in training mode updates in place (BatchNorm,
 # InstanceNorm with track_running_stats, SyncBatchNorm, and look-alikes).
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def running_stats(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The running-statistics buffers a call of ``module`` may update: in its subtree, and in the modules
+    an op group (``op_groups.py``) calls without owning them."""
+    reached = dict.fromkeys(module.modules())
+    for m in list(reached):
+        for called in m.calls() if isinstance(m, OpGroup) else ():
+            reached.update(dict.fromkeys(called.modules()))
     return [
         (m, name)
-        for m in module.modules()
+        for m in reached
         for name in _RUNNING_STATS
         if isinstance(getattr(m, name, None), torch.Tensor)
     ]

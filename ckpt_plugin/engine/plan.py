@@ -57,6 +57,7 @@ class WrapPlan:
     summary: str = ""
     planned: Any = None
     note: str = ""
+    regroup: tuple[str, ...] = ()  # modules whose forward runs as op groups (``op_groups.py``): parts named in groups
 
     @property
     def names(self) -> list[str]:

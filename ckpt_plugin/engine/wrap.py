@@ -60,6 +60,7 @@ from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
+from ckpt_plugin.engine.op_groups import is_regrouped, regroup, regrouped, ungroup
 from ckpt_plugin.engine.sequential import schedule
 from ckpt_plugin.engine.side_effects import SideEffects, remove_cache_hooks, turn_cache_off_above
 from ckpt_plugin.engine.treatment import Treatment
@@ -148,11 +149,12 @@ def policy_of(model: nn.Module) -> Any:
     return next((t.policy for t in treatments if t.policy is not None), None)
 
 
-def remove_checkpointing(model: nn.Module) -> list[str]:
-    """Undo :func:`apply_checkpointing`: every wrapped module gets its forward back.
+def remove_checkpointing(model: nn.Module, keep_groups: set[int] = frozenset()) -> list[str]:
+    """Undo :func:`apply_checkpointing`: every wrapped module gets its forward back, and a module whose
+    forward ran as op groups (``op_groups.py``, ``ckpt=auto`` inside a layer) its own forward and children.
 
     Returns the qualified names that were unwrapped. Safe on a model that was
-    never wrapped.
+    never wrapped. ``keep_groups``: ids of modules whose groups stay (``install``, about to wrap them).
     """
     model = user_module(model)
     removed = wrapped_modules(model)
@@ -162,11 +164,19 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
     for module in model.modules():
         wrapper = module.__dict__.get("forward")
         if isinstance(wrapper, CheckpointedForward):
-            if wrapper.previous is None:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = wrapper.previous
+            _unwrap(module, wrapper)
+    for module in regrouped(model):  # after the unwrapping: a regrouped module's wrapper runs its traced forward
+        if id(module) not in keep_groups:
+            ungroup(module)
     return removed
+
+
+def _unwrap(module: nn.Module, wrapper: CheckpointedForward) -> None:
+    """Give ``module`` back the forward it had before ``wrapper``."""
+    if wrapper.previous is None:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = wrapper.previous
 
 
 def check_plan(model: nn.Module, plan: WrapPlan) -> None:
@@ -193,9 +203,23 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
     ``model`` may be ``torch.compile(model)``: its modules are wrapped, under their own names.
     """
     model = user_module(model)
-    check_plan(model, plan)
     modules = dict(model.named_modules())
-    remove_checkpointing(model)
+    missing = [n for n in plan.regroup if n not in modules]
+    if missing:
+        raise ValueError(f"the plan regroups {', '.join(map(repr, missing))}, not modules of {type(model).__name__}")
+    grouped = [modules[n] for n in plan.regroup if not is_regrouped(modules[n])]
+    try:
+        for name in plan.regroup:
+            if not regroup(modules[name]):
+                raise ValueError(f"the plan regroups {name!r}, whose forward has no op groups (op_groups.py)")
+        check_plan(model, plan)
+    except Exception:
+        for module in grouped:  # an error leaves the model as it was
+            ungroup(module)
+        raise
+    kept = {id(modules[n]) for n in plan.regroup}
+    remove_checkpointing(model, keep_groups=kept)
+    modules = dict(model.named_modules())
     side_effects = SideEffects()  # this installation's: it warns about a KV cache once
     compiled: dict[tuple[str, int], CompiledCalls] = {}  # one per backend and treatment (ckpt=auto: many groups)
     counts = collections.Counter((g.compile, id(g.treatment)) for g in plan.groups if not isinstance(g, Segments)
@@ -227,8 +251,8 @@ def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
         for m in model.modules()
         if isinstance(m.__dict__.get("forward"), CheckpointedForward)
     }
-    for m in wrappers:
-        del m.__dict__["forward"]
+    for m, wrapper in wrappers.items():
+        _unwrap(m, wrapper)
     with contextlib.ExitStack() as stack:
         for chain in chains_of(model):
             stack.enter_context(chain.paused())

@@ -107,6 +107,7 @@ class Profile:
     chains: dict[str, Any] = field(default_factory=dict)  # name -> inside.Chain
     # A plan's activation peak, measured (profile.py: one step on fake tensors with the plan on); None: not offered.
     measure: Callable[[Plan], int] | None = field(default=None, compare=False, repr=False)
+    regrouped: tuple[str, ...] = ()  # layers measured as op groups (op_groups.py): their parts are groups
 
     def plan(self, budget_bytes: int) -> Plan:
         """The planner's choice for ``budget_bytes``; with parts in it, its peak measured, not only predicted.

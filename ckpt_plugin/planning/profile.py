@@ -53,7 +53,7 @@ import logging
 import weakref
 from dataclasses import dataclass, field, replace
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ from ckpt_plugin.planning.planner import INSIDE, OPTIONS, PART_OPTIONS, POLICY_O
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.engine.blocks import has_forward
+from ckpt_plugin.engine.op_groups import is_regrouped, regroup, ungroup
+from ckpt_plugin.engine.op_groups import parts as op_group_parts
 from ckpt_plugin.engine.policies import BATCHED_MATMULS, make_policy
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.treatment import Treatment
@@ -432,9 +434,19 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
-    cache = ProfileCache() if cache is None else cache
+    with checkpointing_disabled(model), contextlib.ExitStack() as stack:
+        return _profile(model, names, forward, fake=fake, timed=timed, compiled=compiled, depth=depth,
+                        cache=ProfileCache() if cache is None else cache, stack=stack)
+
+
+def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool, timed: bool,
+             compiled: Mapping[str, str] | None, depth: int, cache: ProfileCache,
+             stack: contextlib.ExitStack) -> Profile:
+    """:func:`profile`, with the layers unwrapped. The layers are stepped as they are; for their parts
+    (``depth``), those with op groups run regrouped (``op_groups.py``) until ``stack`` closes."""
     silenced = cache_warnings_silenced()  # its wrappers are for a moment: the installation warns, once
-    with silenced, checkpointing_disabled(model), fake_measurement(model, "ckpt=auto's profile") as mode:
+    grouped: tuple[str, ...] = ()
+    with silenced, fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
         if (tuple(names), fake) not in cache.steps:
             stepped = {"keep": _step(model, names, forward, "keep", fake=mode)}
@@ -447,6 +459,10 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         recorders, flops = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
         forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
+        grouped = stack.enter_context(_grouped(model, names)) if depth else ()
+        if grouped:  # a full layer with parts inside it runs regrouped: a traced forward may free sooner
+            full = _step(model, names, forward, "full", fake=mode)
+            forward_running |= {name: full.unit_forward.get((name, 0), 0) for name in grouped}
         parts, chains = _measure_parts(model, names, forward, mode, depth, forward_running)
     layers = [
         LayerProfile(name, {
@@ -466,7 +482,8 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         no_ckpt_peak=memory["keep"][2],
         parts=parts,
         chains=chains,
-        measure=(lambda chosen: _plan_peak(model, forward, chosen.choices, fake)) if chains else None,
+        measure=(lambda chosen: _plan_peak(model, forward, chosen.choices, fake, grouped)) if chains else None,
+        regrouped=grouped,
     )
     if not timed:
         return _with_inside(measured)
@@ -497,7 +514,11 @@ INSIDE_DEPTH = 2  # ckpt=auto: a layer's children and their children are candida
 
 
 def parts_of(model: nn.Module, name: str) -> list[str]:
-    """The modules the forward of ``name`` may call directly: its children, a ModuleList's items in its place."""
+    """The modules the forward of ``name`` may call directly: its children, a ModuleList's items in its place;
+    for a module regrouped (``op_groups.py``), its op groups and the children it calls outside them."""
+    grouped = op_group_parts(model.get_submodule(name))
+    if grouped is not None:
+        return [f"{name}.{part}" if name else part for part in grouped]
     found = []
     for child, module in model.get_submodule(name).named_children():
         qualified = f"{name}.{child}" if name else child
@@ -562,9 +583,22 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
     return parts, chains
 
 
-def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, str], fake: bool) -> int:
+@contextlib.contextmanager
+def _grouped(model: nn.Module, names: Iterable[str]) -> Iterator[tuple[str, ...]]:
+    """The layers ``names`` regrouped (``op_groups.py``) for as long as it lasts; yields those that have groups."""
+    modules = dict(model.named_modules())
+    added = [n for n in names if not is_regrouped(modules[n]) and regroup(modules[n])]
+    try:
+        yield tuple(n for n in names if is_regrouped(modules[n]))
+    finally:
+        for name in added:
+            ungroup(modules[name])
+
+
+def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, str], fake: bool,
+               grouped: tuple[str, ...] = ()) -> int:
     """The activation peak of one step with ``choices`` on (a plan's: nested names nest), measured as profiled."""
-    with (cache_warnings_silenced(), checkpointing_disabled(model),
+    with (cache_warnings_silenced(), checkpointing_disabled(model), _grouped(model, _regrouped(grouped, choices)),
           fake_measurement(model, "ckpt=auto's profile") as mode):
         return _step(model, list(choices), forward, dict(choices), fake=mode if fake else None).analyse()[2]
 
@@ -629,17 +663,26 @@ def with_times(measured: Profile, times: LayerTimes) -> Profile:
                                 rest_bytes=measured.rest_bytes + rest, rest_running=measured.rest_running + rest))
 
 
-def wrap_plan(chosen: Plan, preserve_rng_state: bool = True) -> WrapPlan:
+def wrap_plan(chosen: Plan, preserve_rng_state: bool = True, regrouped: tuple[str, ...] = ()) -> WrapPlan:
     """``chosen`` as a plan the engine installs: each layer with its option (``keep`` stays unwrapped).
 
     A part (``inside.py``) is just another module name: wrapped on its own, or
     inside its wrapped layer (nested checkpoints); an ``inside`` layer stays unwrapped.
+    ``regrouped``: the layers profiled with op groups (``Profile.regrouped``); those
+    with a part in the plan run as op groups (``WrapPlan.regroup``), their parts being groups.
 
     The planner decides and never installs; the names keep ``chosen``'s order.
     """
     how = {option: treatment(option, preserve_rng_state) for option in OPTIONS} | {INSIDE: None}
     groups = tuple(EachLayer((name,), how[option]) for name, option in chosen.choices.items() if how[option] is not None)
-    return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}", planned=chosen)
+    return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}", planned=chosen,
+                    regroup=_regrouped(regrouped, chosen.choices))
+
+
+def _regrouped(regrouped: tuple[str, ...], choices: Mapping[str, str]) -> tuple[str, ...]:
+    """The layers of ``regrouped`` that run as op groups under ``choices``: those with a part in it. The
+    others run their own forward, as their own options were measured (a traced forward may free sooner)."""
+    return tuple(layer for layer in regrouped if any(n.startswith(f"{layer}.") for n in choices))
 
 
 def chain_costs(model: nn.Module, names: list[str], forward: Callable[[], Any], *,

@@ -1,0 +1,294 @@
+"""Parts inside a layer's own ``forward``: its chains of ops, traced and cut into modules the planner can wrap.
+
+A layer's child modules are not always where its memory can be split. The
+example ResNet's ``Bottleneck`` calls ``conv1``, ``bn1``, ``F.relu``,
+``conv2``... in its ``forward``: checkpointing any one of them keeps what it
+kept (a convolution keeps its input either way), and the functional ReLUs
+belong to no module at all. What does split it is a region over several
+consecutive ops (``conv -> norm -> act``, the unit timm's ``ConvNormAct`` and
+torchvision's ``Conv2dNormActivation`` name), so that it keeps its input only.
+
+:func:`op_groups` traces a module's ``forward`` with ``torch.fx`` (every child
+module a leaf: their insides are not touched), finds its *chains* (ops each of
+which takes only the previous one's output, the previous one used by nothing
+else) and cuts each after every activation into *units*. A chain of two or more
+units becomes a left-deep tree of :class:`OpGroup` modules: its head (every
+unit but the last, itself such a tree down to the first unit) and its last
+unit, so that
+a region over the last unit keeps only the head's output while the head is
+recomputed on its own, later, in backward (the nesting Rotor's schedules take
+at their least memory). :func:`regroup` registers the groups as children of the
+module and gives it an instance-level ``forward`` that calls them in place of
+the chain's ops; :func:`ungroup` takes both away.
+
+What stays exactly as it was: the ops, their order and their arguments (the
+traced graph runs what the ``forward`` runs, so gradients are bitwise equal),
+``state_dict`` and ``named_parameters`` (a group owns no parameter and no
+buffer: it calls its layer's modules without registering them), and every
+call the trace does not describe. A traced graph fixes what Python decided
+while tracing: the module's ``training`` flag, the number of arguments. A call
+in the other mode, or with keywords or other arguments, runs the module's own
+``forward`` (the groups then run nowhere: correct, only without their regions).
+A ``forward`` that does not trace (control flow on tensors, ``*args``), that
+reads a parameter or buffer of its own (``get_attr``: a layer scale), or whose
+chains have one unit each, gets no groups: its child modules are its parts, as before.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+ATTR = "_ckpt_plugin_op_groups"  # where a regrouped module keeps its Regrouped (instance __dict__, not state)
+
+# What ends a unit: the activation of a conv-norm-act (or linear-act). Functions, methods and modules.
+_ACTIVATION_FUNCTIONS = {
+    F.relu, F.relu6, F.gelu, F.silu, F.mish, F.elu, F.selu, F.celu, F.leaky_relu, F.hardswish, F.hardsigmoid,
+    F.hardtanh, F.softplus, F.sigmoid, F.tanh, torch.relu, torch.sigmoid, torch.tanh,
+}
+_ACTIVATION_METHODS = {"relu", "sigmoid", "tanh"}
+_ACTIVATION_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.Hardswish,
+    nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Sigmoid, nn.Tanh, nn.PReLU,
+)
+
+
+class _Leaves(torch.fx.Tracer):
+    """Every child module is a leaf: the trace is this module's own forward, one level deep."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+class OpGroup(nn.Module):
+    """A run of consecutive ops of its layer's ``forward`` (a unit), or a head and a unit (``children``).
+
+    It owns nothing: a unit runs a graph module (held outside ``_modules``, so no key of
+    ``state_dict`` and no parameter is added) that calls its layer's own modules.
+    """
+
+    def __init__(self, ops: tuple[str, ...], run: torch.fx.GraphModule | None = None) -> None:
+        super().__init__()
+        self.__dict__["ops"] = ops  # the traced nodes' names, in order (no attribute a child's name can clash with)
+        self.__dict__["_run"] = run  # None: call the children (head, last unit) in turn
+
+    def forward(self, x: torch.Tensor) -> Any:
+        run = self.__dict__["_run"]
+        if run is not None:
+            return run(x)
+        for child in self.children():
+            x = child(x)
+        return x
+
+    def calls(self) -> list[nn.Module]:
+        """The modules of its layer that it calls (for ``norms.running_stats``: BatchNorms recomputed)."""
+        run = self.__dict__["_run"]
+        own = [m for _, m in run.named_children()] if run is not None else []
+        return own + [m for child in self.children() if isinstance(child, OpGroup) for m in child.calls()]
+
+    def extra_repr(self) -> str:
+        return f"ops={', '.join(self.ops)}"
+
+
+@dataclass
+class Regrouped:
+    """What :func:`regroup` did to one module: its groups (in call order) and the forward it installed."""
+
+    groups: dict[str, OpGroup]  # child name -> top-level group
+    parts: list[str]  # the child names its traced forward calls directly, in call order
+    forward: TracedForward
+
+
+class TracedForward:
+    """The instance-level ``forward`` of a regrouped module: its traced graph, groups in place of chains."""
+
+    def __init__(self, module: nn.Module, run: torch.fx.GraphModule, arity: int, training: bool) -> None:
+        self.previous = module.__dict__.get("forward")  # None: the class's forward
+        self.inner: Callable[..., Any] = module.forward
+        self.run, self.arity, self.training, self.module = run, arity, training, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or len(args) != self.arity or self.module.training != self.training:
+            return self.inner(*args, **kwargs)  # a call the trace does not describe
+        return self.run(*args)
+
+
+def _is_activation(node: torch.fx.Node, root: nn.Module) -> bool:
+    if node.op == "call_function":
+        return node.target in _ACTIVATION_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _ACTIVATION_METHODS
+    return node.op == "call_module" and isinstance(root.get_submodule(node.target), _ACTIVATION_MODULES)
+
+
+def _chains(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+    """Maximal runs of ops where each takes exactly the previous one's output, used by it alone."""
+    ops = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    chains: list[list[torch.fx.Node]] = []
+    for node in ops:
+        last = chains[-1][-1] if chains else None
+        if last is not None and node.all_input_nodes == [last] and list(last.users) == [node]:
+            chains[-1].append(node)
+        else:
+            chains.append([node])
+    return chains
+
+
+def _units(chain: list[torch.fx.Node], root: nn.Module) -> list[list[torch.fx.Node]]:
+    """``chain`` cut after every activation (the last unit may end without one)."""
+    units: list[list[torch.fx.Node]] = [[]]
+    for node in chain:
+        units[-1].append(node)
+        if _is_activation(node, root):
+            units.append([])
+    return [u for u in units if u]
+
+
+def _unit_module(root: nn.Module, nodes: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """A graph module running ``nodes`` (one chain's, in order) on the chain's input."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    env = {nodes[0].all_input_nodes[0]: x} if nodes[0].all_input_nodes else {}
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[nodes[-1]])
+    return torch.fx.GraphModule(root, graph, class_name=f"ops_{nodes[0].name}")
+
+
+def _tree(root: nn.Module, units: list[list[torch.fx.Node]]) -> OpGroup:
+    """The left-deep tree over ``units``: a head (every unit but the last) and the last unit."""
+    if len(units) == 1:
+        return OpGroup(tuple(n.name for n in units[0]), _unit_module(root, units[0]))
+    group = OpGroup(tuple(n.name for u in units for n in u))
+    head, last = _tree(root, units[:-1]), _tree(root, units[-1:])
+    group._modules[_name(head)] = head  # node names are identifiers, unique in one graph
+    group._modules[_name(last)] = last
+    return group
+
+
+def _name(group: OpGroup) -> str:
+    """A group's name: its first and last op, ``conv1-relu_1`` (a single op: its own name)."""
+    return group.ops[0] if len(group.ops) == 1 else f"{group.ops[0]}-{group.ops[-1]}"
+
+
+def _trace(module: nn.Module) -> torch.fx.Graph | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _Leaves().trace(module)
+    except Exception:  # noqa: BLE001 -- any forward may refuse a symbolic trace; then it has no groups
+        return None
+
+
+def op_groups(module: nn.Module) -> Regrouped | None:
+    """Groups for the chains of ``module``'s own forward, or None (see the module docstring for when)."""
+    if ATTR in module.__dict__:
+        return module.__dict__[ATTR]
+    graph = _trace(module)
+    if graph is None or any(n.op == "get_attr" for n in graph.nodes):
+        return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    trees: dict[torch.fx.Node, tuple[OpGroup, OpGroup]] = {}  # a chain's last node -> its head and last unit
+    chains: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for chain in _chains(graph):
+        units = _units(chain, module)
+        if len(units) >= 2 and len(chain[0].all_input_nodes) == 1:
+            trees[chain[-1]] = (_tree(module, units[:-1]), _tree(module, units[-1:]))
+            chains[chain[-1]] = chain
+    if not trees:
+        return None
+    groups = {_name(group): group for pair in trees.values() for group in pair}
+    if len(groups) != 2 * len(trees) or any(hasattr(module, name) for name in groups):
+        return None  # a name its forward already uses
+    # The module's graph with each chain replaced by its head's call and its last unit's.
+    rewritten = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    skipped = {n for chain in chains.values() for n in chain}
+    calls: list[str] = []
+    for node in graph.nodes:
+        if node in trees:
+            value = env[chains[node][0].all_input_nodes[0]]
+            for group in trees[node]:
+                value = rewritten.call_module(_name(group), (value,))
+                calls.append(_name(group))
+            env[node] = value
+        elif node not in skipped:
+            env[node] = rewritten.node_copy(node, lambda n: env[n])
+            if node.op == "call_module":
+                calls.append(node.target)
+    run = torch.fx.GraphModule(_Holder(module, groups), rewritten, class_name=f"traced_{type(module).__name__}")
+    forward = TracedForward(module, run, len(placeholders), module.training)
+    return Regrouped(groups, list(dict.fromkeys(calls)), forward)
+
+
+class _Holder(nn.Module):
+    """What the rewritten graph module takes its modules from: the layer's and the groups (not registered)."""
+
+    def __init__(self, module: nn.Module, groups: dict[str, OpGroup]) -> None:
+        super().__init__()
+        self.__dict__["_source"] = (module, groups)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        module, groups = self.__dict__["_source"]
+        return groups[target] if target in groups else module.get_submodule(target)
+
+    def __getattr__(self, name: str) -> Any:
+        module, groups = self.__dict__["_source"]
+        return groups[name] if name in groups else getattr(module, name)
+
+
+def regroup(module: nn.Module) -> bool:
+    """Give ``module`` its op groups (children) and the forward that calls them; False where it has none."""
+    if ATTR in module.__dict__:
+        return True
+    found = op_groups(module)
+    if found is None:
+        return False
+    for name, group in found.groups.items():
+        module.add_module(name, group)
+    module.__dict__["forward"] = found.forward
+    module.__dict__[ATTR] = found
+    return True
+
+
+def ungroup(module: nn.Module) -> None:
+    """Undo :func:`regroup` (nothing if it was not regrouped). Its wrapping must be taken off first."""
+    found: Regrouped | None = module.__dict__.pop(ATTR, None)
+    if found is None:
+        return
+    for name in found.groups:
+        module._modules.pop(name, None)
+    if found.forward.previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = found.forward.previous
+
+
+def regrouped(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that :func:`regroup` regrouped."""
+    return [m for m in model.modules() if is_regrouped(m)]
+
+
+def is_regrouped(module: nn.Module) -> bool:
+    return ATTR in module.__dict__
+
+
+def parts(module: nn.Module) -> list[str] | None:
+    """The children a regrouped ``module``'s forward calls directly, in call order; None if not regrouped."""
+    found: Regrouped | None = module.__dict__.get(ATTR)
+    if found is not None:
+        return found.parts
+    if isinstance(module, OpGroup):
+        return [name for name, _ in module.named_children()]
+    return None
+
+
+__all__ = ["ATTR", "OpGroup", "Regrouped", "is_regrouped", "op_groups", "parts", "regroup", "regrouped", "ungroup"]
