@@ -169,14 +169,15 @@ def _tree(root: nn.Module, units: list[list[torch.fx.Node]]) -> OpGroup:
         return OpGroup(tuple(n.name for n in units[0]), _unit_module(root, units[0]))
     group = OpGroup(tuple(n.name for u in units for n in u))
     head, last = _tree(root, units[:-1]), _tree(root, units[-1:])
-    group._modules[_name(head)] = head  # node names are identifiers, unique in one graph
-    group._modules[_name(last)] = last
+    group.add_module(_name(head), head)
+    group.add_module(_name(last), last)
     return group
 
 
 def _name(group: OpGroup) -> str:
-    """A group's name: its first and last op, ``conv1-relu_1`` (a single op: its own name)."""
-    return group.ops[0] if len(group.ops) == 1 else f"{group.ops[0]}-{group.ops[-1]}"
+    """A group's name: its first and last op, ``conv1-relu_1`` (``fc2-fc2``: one op). The traced nodes' names are
+    identifiers, unique in their graph, so the dash keeps it apart from every attribute of a module."""
+    return f"{group.ops[0]}-{group.ops[-1]}"
 
 
 def _trace(module: nn.Module) -> torch.fx.Graph | None:
@@ -265,7 +266,7 @@ def ungroup(module: nn.Module) -> None:
     if found is None:
         return
     for name in found.groups:
-        module._modules.pop(name, None)
+        delattr(module, name)
     if found.forward.previous is None:
         module.__dict__.pop("forward", None)
     else:

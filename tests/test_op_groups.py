@@ -1,0 +1,161 @@
+"""Op groups (``engine/op_groups.py``): regions inside a layer's own ``forward``, for ``ckpt=auto`` below
+what its child modules reach (issue #23: the example ResNet at 0.5).
+
+Checked as every engine piece is: the regrouped forward is bitwise the module's
+own (outputs, gradients, BatchNorm statistics), ``state_dict`` and parameters
+are untouched, removal restores the module, a call the trace does not describe
+runs the module's own forward; and through ``ckpt=auto``: the plan meets its
+budget by MemTracker's act peak, predicted to the byte, with gradients bitwise
+those without checkpointing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import resnet_batch, small_resnet
+from torch import nn
+
+from ckpt_plugin import remove_checkpointing
+from ckpt_plugin.config.plan import apply_config, plan_for
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.engine.op_groups import OpGroup, is_regrouped, op_groups, regroup, ungroup
+from ckpt_plugin.engine.wrap import install, wrapped_modules
+from ckpt_plugin.errors import ConfigError
+from ckpt_plugin.measure.memory import step_memory
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _step(model, batch, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)  # the blocks' dropout draws the same masks
+    loss = model.loss(batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_a_bottleneck_is_cut_after_each_relu_into_a_left_deep_tree() -> None:
+    block = small_resnet(depths=(1,)).stages[0][0]
+    found = op_groups(block)
+    assert found is not None
+    # conv1 bn1 relu | conv2 bn2 relu | conv3 bn3 drop: the head (two units) and the last unit;
+    # the shortcut and the residual add and ReLU stay the block's own.
+    assert found.parts == ["conv1-relu_1", "conv3-drop", "shortcut"]
+    head, last = found.groups["conv1-relu_1"], found.groups["conv3-drop"]
+    assert [(n, g.ops) for n, g in head.named_children()] == [
+        ("conv1-relu", ("conv1", "bn1", "relu")), ("conv2-relu_1", ("conv2", "bn2", "relu_1"))]
+    assert last.ops == ("conv3", "bn3", "drop") and not list(last.children())
+    assert not is_regrouped(block)  # op_groups only looks
+
+
+def test_regrouping_changes_no_number_and_no_key_and_comes_off() -> None:
+    """Every parameter's gradient, the loss and every BatchNorm statistic bitwise; state_dict's keys and the
+    parameters as they were (a group owns nothing); ungroup gives back the module as it was."""
+    model = small_resnet()
+    batch = resnet_batch(model)
+    plain = copy.deepcopy(model)
+    blocks = [m for m in model.modules() if type(m).__name__ == "Bottleneck"]
+    assert all(regroup(b) for b in blocks)
+    assert all(isinstance(getattr(b, "conv3-drop"), OpGroup) for b in blocks)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    (loss, grads), (loss0, grads0) = _step(model, batch), _step(plain, batch)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), plain.buffers(), strict=True))
+    for b in blocks:
+        ungroup(b)
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert all("forward" not in b.__dict__ for b in blocks)
+
+
+def test_a_call_the_trace_does_not_describe_runs_the_modules_own_forward() -> None:
+    """Traced in training mode, the graph fixed what Python decided then: in eval mode the module's own
+    forward runs (a functional dropout's ``training=self.training`` would otherwise stay on)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.dropout(F.gelu(self.a(x)), 0.5, training=self.training)
+            return F.relu(self.b(h))
+
+    block = Block().train()
+    assert regroup(block)
+    x = torch.randn(4, 8)
+    block.eval()
+    assert torch.equal(block(x), Block.forward(block, x))  # no dropout in eval mode
+    called = []
+    block.__dict__["forward"].inner = lambda *a: called.append(a) or x  # the own forward, seen from outside
+    block(x)
+    block.train()
+    block(x)
+    assert len(called) == 1  # eval: the own forward; train: the traced one
+
+
+@pytest.mark.parametrize("why, forward", [
+    ("control flow on a tensor", lambda self, x: self.a(x) if x.sum() > 0 else F.relu(self.b(x))),
+    ("a parameter of its own (get_attr)", lambda self, x: F.relu(self.b(F.relu(self.a(x)) * self.scale))),
+    ("one unit per chain", lambda self, x: self.b(self.a(x)) + x),
+])
+def test_a_forward_without_groups_keeps_its_child_modules_as_parts(why: str, forward) -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.scale = nn.Parameter(torch.ones(8))
+
+    Block.forward = forward
+    block = Block()
+    assert op_groups(block) is None, why
+    assert not regroup(block) and not is_regrouped(block) and "forward" not in block.__dict__
+
+
+def test_resnet_auto_half_goes_inside_its_blocks_forward_and_holds_its_budget() -> None:
+    """The example ResNet's least peak by its blocks' child modules is 0.65 of the peak without
+    checkpointing; inside its Bottlenecks' forward, 0.5 is met: predicted to the byte, MemTracker's act
+    peak within it, gradients and BatchNorm statistics bitwise, the plan naming the groups it wraps."""
+    model = small_resnet()
+    batch = resnet_batch(model)
+    _, grads0 = _step(model, batch)
+    buffers0 = [b.clone() for b in model.buffers()]
+    none = step_memory(lambda: _step(model, batch), model)["act"]
+    for b, b0 in zip(model.buffers(), buffers0):  # the measured step moved the statistics: back to before
+        b.copy_(b0)
+    config = make_config(mode="auto", layers=["Bottleneck", "re:stem"], budget=0.5)
+    plan = plan_for(model, config, lambda: model.loss(batch))
+    install(model, plan)
+    try:
+        chosen = plan.planned
+        assert any(".conv1-relu_1" in n or ".conv3-drop" in n for n in chosen.choices), chosen.choices
+        assert plan.regroup and all(is_regrouped(model.get_submodule(n)) for n in plan.regroup)
+        assert any("-" in n.rsplit(".", 1)[-1] for n in wrapped_modules(model))
+        act = step_memory(lambda: _step(model, batch), model)["act"]
+        assert act == chosen.predicted_peak <= none * 0.5
+        for b, b0 in zip(model.buffers(), buffers0):
+            b.copy_(b0)
+        _, grads = _step(model, batch)
+        assert all(torch.equal(grads[n], grads0[n]) for n in grads0)
+        groups = [n for n in chosen.choices if "-" in n.rsplit(".", 1)[-1]]
+        assert groups and all(f"\n  {n} " in plan.summary for n in groups)  # indented under its layer
+    finally:
+        remove_checkpointing(model)
+    assert not any(is_regrouped(m) for m in model.modules())
+    assert not any(isinstance(m, OpGroup) for m in model.modules())
+
+
+def test_a_budget_below_what_the_groups_reach_names_the_least_peak() -> None:
+    model = small_resnet()
+    batch = resnet_batch(model)
+    before = [n for n, _ in model.named_modules()]
+    config = make_config(mode="auto", layers=["Bottleneck", "re:stem"], budget=0.1)
+    with pytest.raises(ConfigError, match=r"the smallest peak reachable is \d+ bytes .*0\.[34]\d\)") as err:
+        apply_config(model, config, forward=lambda: model.loss(batch))
+    assert "ckpt.budget" in str(err.value)
+    assert [n for n, _ in model.named_modules()] == before  # a refusal leaves no group behind
