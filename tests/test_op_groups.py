@@ -26,6 +26,7 @@ from ckpt_plugin.engine.op_groups import OpGroup, is_regrouped, op_groups, regro
 from ckpt_plugin.engine.wrap import install, wrapped_modules
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import step_memory
+from ckpt_plugin.planning.profile import INSIDE_DEPTH, profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,3 +160,44 @@ def test_a_budget_below_what_the_groups_reach_names_the_least_peak() -> None:
         apply_config(model, config, forward=lambda: model.loss(batch))
     assert "ckpt.budget" in str(err.value)
     assert [n for n, _ in model.named_modules()] == before  # a refusal leaves no group behind
+
+
+class _Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.b(F.relu(self.a(x)))) * gate + x
+
+
+class _GatedNet(nn.Module):
+    def __init__(self, by_keyword: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Gated() for _ in range(3))
+        self.by_keyword = by_keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(x.mean(dim=0))
+        for block in self.blocks:
+            x = block(x, gate=gate) if self.by_keyword else block(x, gate)
+        return x
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_auto_regroups_a_layer_only_where_its_groups_run(by_keyword: bool) -> None:
+    """Called as traced (positionally, with tensors), a layer's parts are its op groups; called with a
+    keyword, its own forward runs (the trace does not describe that call), so its parts stay its child
+    modules, as without op groups, and nothing is left regrouped."""
+    torch.manual_seed(0)
+    model = _GatedNet(by_keyword)
+    x = torch.randn(8, 16)
+    names = ["blocks.0", "blocks.1", "blocks.2"]
+    prof = profile(model, names, lambda: model(x).square().sum(), depth=INSIDE_DEPTH)
+    if by_keyword:
+        assert prof.regrouped == ()
+        assert {"blocks.0.a", "blocks.0.b"} <= set(prof.parts)
+    else:
+        assert prof.regrouped == tuple(names)
+        assert {"blocks.0.a-relu", "blocks.0.b-relu_1"} <= set(prof.parts)  # the chain: two units, no head tree
+    assert not any(is_regrouped(m) for m in model.modules())

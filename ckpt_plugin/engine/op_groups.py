@@ -26,9 +26,12 @@ traced graph runs what the ``forward`` runs, so gradients are bitwise equal),
 ``state_dict`` and ``named_parameters`` (a group owns no parameter and no
 buffer: it calls its layer's modules without registering them), and every
 call the trace does not describe. A traced graph fixes what Python decided
-while tracing: the module's ``training`` flag, the number of arguments. A call
-in the other mode, or with keywords or other arguments, runs the module's own
-``forward`` (the groups then run nowhere: correct, only without their regions).
+while tracing: the module's ``training`` flag, the number of arguments, and that
+each is a tensor (``mask is None`` is False for a traced argument). A call in the
+other mode, with keywords, another number of arguments or one that is not a
+tensor runs the module's own ``forward`` (the groups then run nowhere: correct,
+only without their regions); ``ckpt=auto`` regroups a layer only if its groups
+ran in the step it profiles.
 A ``forward`` that does not trace (control flow on tensors, ``*args``), that
 reads a parameter or buffer of its own (``get_attr``: a layer scale), or whose
 chains have one unit each, gets no groups: its child modules are its parts, as before.
@@ -36,7 +39,7 @@ chains have one unit each, gets no groups: its child modules are its parts, as b
 
 from __future__ import annotations
 
-import operator
+import gc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,30 +71,33 @@ class _Leaves(torch.fx.Tracer):
         return True
 
 
+# One op of a unit: what it calls (a module of the layer, a function, a Tensor method) and its arguments
+# after the first, which is always the previous op's output (the unit's input for its first op).
+_Op = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
 class OpGroup(nn.Module):
     """A run of consecutive ops of its layer's ``forward`` (a unit), or a head and a unit (``children``).
 
-    It owns nothing: a unit runs a graph module (held outside ``_modules``, so no key of
-    ``state_dict`` and no parameter is added) that calls its layer's own modules.
+    It owns nothing: a unit calls its layer's modules from a plain tuple (not
+    ``_modules``), so no key of ``state_dict`` and no parameter is added.
     """
 
-    def __init__(self, ops: tuple[str, ...], run: torch.fx.GraphModule | None = None) -> None:
+    def __init__(self, names: tuple[str, ...], ops: tuple[_Op, ...] = ()) -> None:
         super().__init__()
-        self.__dict__["ops"] = ops  # the traced nodes' names, in order (no attribute a child's name can clash with)
-        self.__dict__["_run"] = run  # None: call the children (head, last unit) in turn
+        self.__dict__["ops"] = names  # the traced nodes' names, in order (no attribute a child's name can clash with)
+        self.__dict__["_ops"] = ops  # (): call the children (head, last unit) in turn
 
     def forward(self, x: torch.Tensor) -> Any:
-        run = self.__dict__["_run"]
-        if run is not None:
-            return run(x)
+        for fn, args, kwargs in self.__dict__["_ops"]:
+            x = fn(x, *args, **kwargs)
         for child in self.children():
             x = child(x)
         return x
 
     def calls(self) -> list[nn.Module]:
         """The modules of its layer that it calls (for ``norms.running_stats``: BatchNorms recomputed)."""
-        run = self.__dict__["_run"]
-        own = [m for _, m in run.named_children()] if run is not None else []
+        own = [fn for fn, _, _ in self.__dict__["_ops"] if isinstance(fn, nn.Module)]
         return own + [m for child in self.children() if isinstance(child, OpGroup) for m in child.calls()]
 
     def extra_repr(self) -> str:
@@ -116,7 +122,9 @@ class TracedForward:
         self.run, self.arity, self.training, self.module = run, arity, training, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs or len(args) != self.arity or self.module.training != self.training:
+        # The trace took every parameter for a tensor (``mask is None`` was False then) in one mode.
+        if (kwargs or len(args) != self.arity or self.module.training != self.training
+                or not all(isinstance(a, torch.Tensor) for a in args)):
             return self.inner(*args, **kwargs)  # a call the trace does not describe
         return self.run(*args)
 
@@ -130,16 +138,22 @@ def _is_activation(node: torch.fx.Node, root: nn.Module) -> bool:
 
 
 def _chains(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
-    """Maximal runs of ops where each takes exactly the previous one's output, used by it alone."""
+    """Maximal runs of ops where each takes the previous one's output as its first argument and no other
+    value of the graph, the previous one used by it alone."""
     ops = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     chains: list[list[torch.fx.Node]] = []
     for node in ops:
         last = chains[-1][-1] if chains else None
-        if last is not None and node.all_input_nodes == [last] and list(last.users) == [node]:
+        if last is not None and _takes(node, last) and list(last.users) == [node]:
             chains[-1].append(node)
         else:
             chains.append([node])
     return chains
+
+
+def _takes(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether ``value`` is ``node``'s first argument and the only value of the graph it takes."""
+    return bool(node.args) and node.args[0] is value and node.all_input_nodes == [value]
 
 
 def _units(chain: list[torch.fx.Node], root: nn.Module) -> list[list[torch.fx.Node]]:
@@ -152,21 +166,24 @@ def _units(chain: list[torch.fx.Node], root: nn.Module) -> list[list[torch.fx.No
     return [u for u in units if u]
 
 
-def _unit_module(root: nn.Module, nodes: list[torch.fx.Node]) -> torch.fx.GraphModule:
-    """A graph module running ``nodes`` (one chain's, in order) on the chain's input."""
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    env = {nodes[0].all_input_nodes[0]: x} if nodes[0].all_input_nodes else {}
+def _unit_ops(root: nn.Module, nodes: list[torch.fx.Node]) -> tuple[_Op, ...]:
+    """What a unit calls: each node's module, function or Tensor method, with its arguments after the first."""
+    ops = []
     for node in nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[nodes[-1]])
-    return torch.fx.GraphModule(root, graph, class_name=f"ops_{nodes[0].name}")
+        if node.op == "call_module":
+            fn = root.get_submodule(node.target)
+        elif node.op == "call_method":
+            fn = getattr(torch.Tensor, node.target)
+        else:
+            fn = node.target
+        ops.append((fn, tuple(node.args[1:]), dict(node.kwargs)))
+    return tuple(ops)
 
 
 def _tree(root: nn.Module, units: list[list[torch.fx.Node]]) -> OpGroup:
     """The left-deep tree over ``units``: a head (every unit but the last) and the last unit."""
     if len(units) == 1:
-        return OpGroup(tuple(n.name for n in units[0]), _unit_module(root, units[0]))
+        return OpGroup(tuple(n.name for n in units[0]), _unit_ops(root, units[0]))
     group = OpGroup(tuple(n.name for u in units for n in u))
     head, last = _tree(root, units[:-1]), _tree(root, units[-1:])
     group.add_module(_name(head), head)
@@ -194,14 +211,27 @@ def op_groups(module: nn.Module) -> Regrouped | None:
     if ATTR in module.__dict__:
         return module.__dict__[ATTR]
     graph = _trace(module)
-    if graph is None or any(n.op == "get_attr" for n in graph.nodes):
+    if graph is None:
+        return None
+    try:
+        return _regrouped(module, graph)
+    finally:
+        del graph
+        # torch.fx's tracer leaves reference cycles (its closures and the tracer); collected young,
+        # a profile that traces every layer does not pile them up until a full collection.
+        gc.collect(1)
+
+
+def _regrouped(module: nn.Module, graph: torch.fx.Graph) -> Regrouped | None:
+    """:func:`op_groups` for ``module`` traced as ``graph``."""
+    if any(n.op == "get_attr" for n in graph.nodes):
         return None
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     trees: dict[torch.fx.Node, tuple[OpGroup, OpGroup]] = {}  # a chain's last node -> its head and last unit
     chains: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for chain in _chains(graph):
         units = _units(chain, module)
-        if len(units) >= 2 and len(chain[0].all_input_nodes) == 1:
+        if len(units) >= 2 and chain[0].all_input_nodes and _takes(chain[0], chain[0].all_input_nodes[0]):
             trees[chain[-1]] = (_tree(module, units[:-1]), _tree(module, units[-1:]))
             chains[chain[-1]] = chain
     if not trees:
@@ -282,6 +312,12 @@ def is_regrouped(module: nn.Module) -> bool:
     return ATTR in module.__dict__
 
 
+def top_groups(module: nn.Module) -> list[str]:
+    """The names of the op groups a regrouped ``module`` calls directly ([] if not regrouped)."""
+    found: Regrouped | None = module.__dict__.get(ATTR)
+    return list(found.groups) if found is not None else []
+
+
 def parts(module: nn.Module) -> list[str] | None:
     """The children a regrouped ``module``'s forward calls directly, in call order; None if not regrouped."""
     found: Regrouped | None = module.__dict__.get(ATTR)
@@ -292,4 +328,4 @@ def parts(module: nn.Module) -> list[str] | None:
     return None
 
 
-__all__ = ["ATTR", "OpGroup", "Regrouped", "is_regrouped", "op_groups", "parts", "regroup", "regrouped", "ungroup"]
+__all__ = ["ATTR", "OpGroup", "Regrouped", "is_regrouped", "op_groups", "parts", "regroup", "regrouped", "top_groups", "ungroup"]

@@ -68,7 +68,7 @@ from ckpt_plugin.planning.planner import INSIDE, OPTIONS, PART_OPTIONS, POLICY_O
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.engine.blocks import has_forward
-from ckpt_plugin.engine.op_groups import is_regrouped, regroup, ungroup
+from ckpt_plugin.engine.op_groups import is_regrouped, regroup, top_groups, ungroup
 from ckpt_plugin.engine.op_groups import parts as op_group_parts
 from ckpt_plugin.engine.policies import BATCHED_MATMULS, make_policy
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
@@ -459,7 +459,8 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
         recorders, flops = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
         forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
-        grouped = stack.enter_context(_grouped(model, names)) if depth else ()
+        grouped = _ran_as_groups(model, names, forward, mode, stack.enter_context(_grouped(model, names))) \
+            if depth else ()
         if grouped:  # a full layer with parts inside it runs regrouped: a traced forward may free sooner
             full = _step(model, names, forward, "full", fake=mode)
             forward_running |= {name: full.unit_forward.get((name, 0), 0) for name in grouped}
@@ -593,6 +594,24 @@ def _grouped(model: nn.Module, names: Iterable[str]) -> Iterator[tuple[str, ...]
     finally:
         for name in added:
             ungroup(modules[name])
+
+
+def _ran_as_groups(model: nn.Module, names: list[str], forward: Callable[[], Any], mode: Any,
+                   grouped: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of the ``grouped`` layers whose op groups ran in a step; the others are ungrouped again.
+
+    A traced forward runs only for calls like the traced one (``op_groups.TracedForward``):
+    a layer called with keywords (a Hugging Face layer's ``attention_mask=``) runs its own
+    forward, so its parts are its child modules, as without groups."""
+    if not grouped:
+        return grouped
+    modules = dict(model.named_modules())
+    tops = {layer: [f"{layer}.{g}" for g in top_groups(modules[layer])] for layer in grouped}
+    recorder = _step(model, [g for gs in tops.values() for g in gs], forward, "keep", fake=mode, around=names)
+    unused = [layer for layer, gs in tops.items() if not all(recorder.calls[g] for g in gs)]
+    for layer in unused:
+        ungroup(modules[layer])
+    return tuple(layer for layer in grouped if layer not in unused)
 
 
 def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, str], fake: bool,
