@@ -201,3 +201,71 @@ def test_auto_regroups_a_layer_only_where_its_groups_run(by_keyword: bool) -> No
         assert prof.regrouped == tuple(names)
         assert {"blocks.0.a-relu", "blocks.0.b-relu_1"} <= set(prof.parts)  # the chain: two units, no head tree
     assert not any(is_regrouped(m) for m in model.modules())
+
+
+class _TorchvisionBottleneck(nn.Module):
+    """torchvision's Bottleneck layout: one in-place ReLU module called three times, a downsample or None,
+    the residual added in place. The shared ReLU is no part of its own (called thrice), so by child modules
+    alone the block cannot be split; its op groups can."""
+
+    def __init__(self, c: int, stride: int = 1) -> None:
+        super().__init__()
+        w = c // 4
+        self.conv1, self.bn1 = nn.Conv2d(c, w, 1, bias=False), nn.BatchNorm2d(w)
+        self.conv2, self.bn2 = nn.Conv2d(w, w, 3, stride, 1, bias=False), nn.BatchNorm2d(w)
+        self.conv3, self.bn3 = nn.Conv2d(w, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (nn.Sequential(nn.Conv2d(c, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+                           if stride != 1 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class _TorchvisionLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True))
+        self.layers = nn.Sequential(*(_TorchvisionBottleneck(32, s) for s in (1, 1, 2, 1)))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def test_a_torchvision_bottleneck_reaches_below_its_child_modules_least_peak(monkeypatch) -> None:
+    x, y = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([1, 2, 3, 4])
+
+    def build() -> _TorchvisionLike:
+        torch.manual_seed(0)
+        return _TorchvisionLike().train()
+
+    def step(model: nn.Module) -> dict[str, torch.Tensor]:
+        torch.manual_seed(3)
+        F.cross_entropy(model(x), y).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    config = make_config(mode="auto", layers=["_TorchvisionBottleneck", "re:stem"], budget="min")
+    model = build()
+    plan = plan_for(model, config, lambda: F.cross_entropy(model(x), y))
+    install(model, plan)
+    act = step_memory(lambda: step(model), model)["act"]
+    assert plan.regroup and act == plan.planned.predicted_peak
+    again = build()
+    install(again, plan_for(again, config, lambda: F.cross_entropy(again(x), y)))
+    grads, plain = step(again), step(build())
+    assert all(torch.equal(grads[n], plain[n]) for n in plain)
+    with monkeypatch.context() as patch:  # the same model, its blocks split by child modules only
+        patch.setattr("ckpt_plugin.engine.op_groups.op_groups", lambda module: None)
+        unsplit = build()
+        least = plan_for(unsplit, config, lambda: F.cross_entropy(unsplit(x), y)).planned.predicted_peak
+    assert act < least
