@@ -50,10 +50,12 @@ where a model's glue shares tensors with its parts in ways one number per
 part cannot describe, ``Profile.plan`` measures the plan it chose.
 
 Parts help where a layer's recomputation holds much its parts need not hold
-at once: a transformer block (attention, MLP) below ``full``'s peak. They
-cannot split a layer whose every kept tensor is the input of the next op (the
-example ResNet's ``Bottleneck``: each convolution and BatchNorm keeps its
-input, and ReLU its output, whatever is checkpointed around them).
+at once: a transformer block (attention, MLP) below ``full``'s peak. Child
+modules alone cannot split a layer whose every kept tensor is the input of the
+next op (the example ResNet's ``Bottleneck``: each convolution and BatchNorm
+keeps its input, and ReLU its output, whatever is checkpointed around each);
+there the parts are its op groups (``engine/op_groups.py``: runs of ops, each
+kept only as its input when checkpointed), measured and planned here alike.
 """
 
 from __future__ import annotations
