@@ -443,3 +443,27 @@ def test_a_failing_fit_leaves_the_model_unwrapped() -> None:
         trainer.fit(model, datamodule=datamodule("gpt", model))
     assert callback.wrapped == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert wrapped_modules(model) == []
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_deep_copy_of_a_wrapped_model_trains_as_the_original(mode: str) -> None:
+    """``copy.deepcopy`` (an EMA, Lightning's StochasticWeightAveraging, torch's AveragedModel) of a
+    checkpointed ResNet: the copy is wrapped too, its BatchNorm fix restores the copy's statistics, and a
+    step of it is bitwise the original's (gradients and statistics). Before, the copy's checkpoint contexts
+    came out of the copy as their compile-cache key and the first step raised."""
+    from ckpt_plugin.config.plan import apply_config
+    from ckpt_plugin.config.schema import make_config
+
+    model = small_resnet()
+    batch = resnet_batch(model)
+    apply_config(model, make_config(mode=mode, layers="Bottleneck"))
+    twin = copy.deepcopy(model)
+    assert wrapped_modules(twin) == wrapped_modules(model)
+    runs = []
+    for m in (model, twin):
+        torch.manual_seed(0)
+        m.loss(batch).backward()
+        runs.append(([p.grad for p in m.parameters()], [b.clone() for b in m.buffers()]))
+    (grads, buffers), (twin_grads, twin_buffers) = runs
+    assert all(torch.equal(a, b) for a, b in zip(grads, twin_grads, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, twin_buffers, strict=True))

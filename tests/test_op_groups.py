@@ -12,6 +12,7 @@ those without checkpointing.
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -269,3 +270,36 @@ def test_a_torchvision_bottleneck_reaches_below_its_child_modules_least_peak(mon
         unsplit = build()
         least = plan_for(unsplit, config, lambda: F.cross_entropy(unsplit(x), y)).planned.predicted_peak
     assert act < least
+
+
+def test_a_regrouped_model_deep_copies_and_pickles_with_its_groups() -> None:
+    """The copy's groups call the copy's modules; a step of it is bitwise the original's. Pickled whole
+    (torch.save of the model), the groups come back; the plugin's checkpoint contexts do not, and the first
+    step says so and how to re-apply, which then trains bitwise."""
+    model = small_resnet()
+    batch = resnet_batch(model)
+    config = make_config(mode="auto", layers=["Bottleneck", "re:stem"], budget=0.5)
+    plan = plan_for(model, config, lambda: model.loss(batch))
+    install(model, plan)
+    before = [b.clone() for b in model.buffers()]
+    twin = copy.deepcopy(model)
+    block = twin.get_submodule(plan.regroup[0])
+    assert block.conv1 in getattr(block, "conv1-relu_1").calls()
+    assert all(m is not model.get_submodule(plan.regroup[0]).conv1 for m in getattr(block, "conv1-relu_1").calls())
+    _, grads = _step(model, batch)
+    _, twin_grads = _step(twin, batch)
+    assert all(torch.equal(grads[n], twin_grads[n]) for n in grads)
+    buffer = io.BytesIO()
+    torch.save(twin, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for b, b0 in zip(loaded.buffers(), before, strict=True):
+        b.copy_(b0)
+    with pytest.raises(RuntimeError, match=r"this checkpointed module was unpickled .*remove_checkpointing"):
+        _step(loaded, batch)
+    remove_checkpointing(loaded)
+    install(loaded, plan)
+    for b, b0 in zip(loaded.buffers(), before, strict=True):
+        b.copy_(b0)
+    _, loaded_grads = _step(loaded, batch)
+    assert all(torch.equal(grads[n], loaded_grads[n]) for n in grads)

@@ -116,10 +116,10 @@ class Regrouped:
 class TracedForward:
     """The instance-level ``forward`` of a regrouped module: its traced graph, groups in place of chains."""
 
-    def __init__(self, module: nn.Module, run: torch.fx.GraphModule, arity: int, training: bool) -> None:
+    def __init__(self, module: nn.Module, run: _Program, training: bool) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
-        self.run, self.arity, self.training, self.module = run, arity, training, module
+        self.run, self.arity, self.training, self.module = run, run.arity, training, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The trace took every parameter for a tensor (``mask is None`` was False then) in one mode.
@@ -167,17 +167,8 @@ def _units(chain: list[torch.fx.Node], root: nn.Module) -> list[list[torch.fx.No
 
 
 def _unit_ops(root: nn.Module, nodes: list[torch.fx.Node]) -> tuple[_Op, ...]:
-    """What a unit calls: each node's module, function or Tensor method, with its arguments after the first."""
-    ops = []
-    for node in nodes:
-        if node.op == "call_module":
-            fn = root.get_submodule(node.target)
-        elif node.op == "call_method":
-            fn = getattr(torch.Tensor, node.target)
-        else:
-            fn = node.target
-        ops.append((fn, tuple(node.args[1:]), dict(node.kwargs)))
-    return tuple(ops)
+    """What a unit calls: each node's module, function or method, with its arguments after the first."""
+    return tuple((_callee(root, node), tuple(node.args[1:]), dict(node.kwargs)) for node in nodes)
 
 
 def _tree(root: nn.Module, units: list[list[torch.fx.Node]]) -> OpGroup:
@@ -239,41 +230,103 @@ def _regrouped(module: nn.Module, graph: torch.fx.Graph) -> Regrouped | None:
     groups = {_name(group): group for pair in trees.values() for group in pair}
     if len(groups) != 2 * len(trees) or any(hasattr(module, name) for name in groups):
         return None  # a name its forward already uses
-    # The module's graph with each chain replaced by its head's call and its last unit's.
-    rewritten = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    # The module's graph with each chain replaced by its head's call and its last unit's, as a program.
+    index = {node: i for i, node in enumerate(placeholders)}
+    steps: list[_Op] = []
     skipped = {n for chain in chains.values() for n in chain}
     calls: list[str] = []
     for node in graph.nodes:
         if node in trees:
-            value = env[chains[node][0].all_input_nodes[0]]
+            value = _Value(index[chains[node][0].all_input_nodes[0]])
             for group in trees[node]:
-                value = rewritten.call_module(_name(group), (value,))
+                steps.append((group, (value,), {}))
+                value = _Value(len(placeholders) + len(steps) - 1)
                 calls.append(_name(group))
-            env[node] = value
-        elif node not in skipped:
-            env[node] = rewritten.node_copy(node, lambda n: env[n])
+            index[node] = value.index
+        elif node.op in ("call_module", "call_function", "call_method") and node not in skipped:
+            ref = lambda n: _Value(index[n])  # noqa: E731
+            steps.append((_callee(module, node), torch.fx.node.map_arg(node.args, ref),
+                          torch.fx.node.map_arg(node.kwargs, ref)))
+            index[node] = len(placeholders) + len(steps) - 1
             if node.op == "call_module":
                 calls.append(node.target)
-    run = torch.fx.GraphModule(_Holder(module, groups), rewritten, class_name=f"traced_{type(module).__name__}")
-    forward = TracedForward(module, run, len(placeholders), module.training)
-    return Regrouped(groups, list(dict.fromkeys(calls)), forward)
+        elif node.op == "output":
+            output = torch.fx.node.map_arg(node.args[0], lambda n: _Value(index[n]))
+    program = _Program(tuple(steps), len(placeholders), output)
+    return Regrouped(groups, list(dict.fromkeys(calls)), TracedForward(module, program, module.training))
 
 
-class _Holder(nn.Module):
-    """What the rewritten graph module takes its modules from: the layer's and the groups (not registered)."""
+@dataclass(frozen=True)
+class _Value:
+    """In a :class:`_Program`'s arguments: the value its argument or step ``index`` made."""
 
-    def __init__(self, module: nn.Module, groups: dict[str, OpGroup]) -> None:
-        super().__init__()
-        self.__dict__["_source"] = (module, groups)
+    index: int
 
-    def get_submodule(self, target: str) -> nn.Module:
-        module, groups = self.__dict__["_source"]
-        return groups[target] if target in groups else module.get_submodule(target)
 
-    def __getattr__(self, name: str) -> Any:
-        module, groups = self.__dict__["_source"]
-        return groups[name] if name in groups else getattr(module, name)
+class _Method:
+    """A traced ``call_method``: ``obj.name(*args, **kwargs)`` (picklable, unlike a lambda)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(obj, self.name)(*args, **kwargs)
+
+
+def _callee(module: nn.Module, node: torch.fx.Node) -> Callable[..., Any]:
+    if node.op == "call_module":
+        return module.get_submodule(node.target)
+    return _Method(node.target) if node.op == "call_method" else node.target
+
+
+class _Program:
+    """A traced forward as plain data: steps (what to call, on which earlier values), run in order.
+
+    Plain data rather than a ``torch.fx.GraphModule``: it deep-copies and pickles with its
+    module, generates no code, and frees each value after its last use, as the graph does.
+    """
+
+    def __init__(self, steps: tuple[_Op, ...], arity: int, output: Any) -> None:
+        self.steps, self.arity, self.output = steps, arity, output
+        last: dict[int, int] = {}
+        for i, (_, args, kwargs) in enumerate(steps):
+            for ref in _refs((args, kwargs)):
+                last[ref] = i
+        kept = set(_refs(self.output))
+        self.frees = tuple(tuple(r for r, at in last.items() if at == i and r not in kept) for i in range(len(steps)))
+
+    def __call__(self, *args: Any) -> Any:
+        values: list[Any] = [*args, *([None] * len(self.steps))]
+        for i, (fn, a, k) in enumerate(self.steps):
+            values[self.arity + i] = fn(*_load(a, values), **_load(k, values))
+            for ref in self.frees[i]:
+                values[ref] = None
+        return _load(self.output, values)
+
+
+def _load(value: Any, values: list[Any]) -> Any:
+    """``value`` with every :class:`_Value` in it replaced by what it refers to."""
+    if isinstance(value, _Value):
+        return values[value.index]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_load(v, values) for v in value)
+    if isinstance(value, dict):
+        return {k: _load(v, values) for k, v in value.items()}
+    if isinstance(value, slice):
+        return slice(_load(value.start, values), _load(value.stop, values), _load(value.step, values))
+    return value
+
+
+def _refs(value: Any) -> list[int]:
+    if isinstance(value, _Value):
+        return [value.index]
+    if isinstance(value, (tuple, list)):
+        return [r for v in value for r in _refs(v)]
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _refs(v)]
+    if isinstance(value, slice):
+        return _refs((value.start, value.stop, value.step))
+    return []
 
 
 def regroup(module: nn.Module) -> bool:

@@ -15,6 +15,7 @@ second run to check and no buffer written twice; the policy alone matters.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,12 +112,29 @@ class _Contexts(functools.partial):
     def __reduce__(self) -> tuple[Any, tuple]:
         return CompiledKey, (self.cache_hash,)
 
+    def __deepcopy__(self, memo: dict) -> _Contexts:
+        # copy.deepcopy(model) (an EMA, Lightning's StochasticWeightAveraging) would otherwise go through
+        # __reduce__ and leave the copy a CompiledKey: its BatchNorm statistics are the copy's (memo).
+        return _Contexts(self.func, *copy.deepcopy(self.args, memo))
+
+    def __copy__(self) -> _Contexts:
+        return _Contexts(self.func, *self.args)
+
 
 @dataclass(frozen=True)
 class CompiledKey:
-    """What a compiled graph's cache key holds of a :class:`_Contexts`: the policy's description."""
+    """What a compiled graph's cache key holds of a :class:`_Contexts`: the policy's description.
+
+    A pickled model unpickles its checkpointed calls' contexts as this (what they hold is
+    the model's own modules, which a cache key must not): calling it says what to do."""
 
     cache_hash: str
+
+    def __call__(self) -> Any:
+        raise RuntimeError(
+            "this checkpointed module was unpickled (torch.save of the whole model, then torch.load): the "
+            "plugin's contexts do not survive pickling. Call ckpt_plugin.remove_checkpointing(model) and "
+            "apply checkpointing again after loading (or save and load its state_dict, as Lightning does)")
 
 
 def _compiled_contexts(policy: Any) -> tuple[Any, Any]:
