@@ -149,14 +149,19 @@ def policy_of(model: nn.Module) -> Any:
     return next((t.policy for t in treatments if t.policy is not None), None)
 
 
-def remove_checkpointing(model: nn.Module, keep_groups: set[int] = frozenset()) -> list[str]:
+def remove_checkpointing(model: nn.Module) -> list[str]:
     """Undo :func:`apply_checkpointing`: every wrapped module gets its forward back, and a module whose
     forward ran as op groups (``op_groups.py``, ``ckpt=auto`` inside a layer) its own forward and children.
 
     Returns the qualified names that were unwrapped. Safe on a model that was
-    never wrapped. ``keep_groups``: ids of modules whose groups stay (``install``, about to wrap them).
+    never wrapped.
     """
-    model = user_module(model)
+    return _take_off(user_module(model), keep_groups=set())
+
+
+def _take_off(model: nn.Module, keep_groups: set[int]) -> list[str]:
+    """:func:`remove_checkpointing`, but the modules whose ids are in ``keep_groups`` keep their op groups
+    (``install``: the plan it puts on runs them so)."""
     removed = wrapped_modules(model)
     remove_cache_hooks(model)
     for chain in chains_of(model):
@@ -218,7 +223,7 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
             ungroup(module)
         raise
     kept = {id(modules[n]) for n in plan.regroup}
-    remove_checkpointing(model, keep_groups=kept)
+    _take_off(model, keep_groups=kept)
     modules = dict(model.named_modules())
     side_effects = SideEffects()  # this installation's: it warns about a KV cache once
     compiled: dict[tuple[str, int], CompiledCalls] = {}  # one per backend and treatment (ckpt=auto: many groups)
