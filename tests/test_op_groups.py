@@ -303,3 +303,38 @@ def test_a_regrouped_model_deep_copies_and_pickles_with_its_groups() -> None:
         b.copy_(b0)
     _, loaded_grads = _step(loaded, batch)
     assert all(torch.equal(grads[n], loaded_grads[n]) for n in grads)
+
+
+def test_a_lightning_trainer_trains_the_resnet_inside_its_blocks_forward_bitwise() -> None:
+    """The callback plans ``ckpt=auto`` at 0.5 on the ResNet (it goes inside the Bottlenecks' forward),
+    three steps train, and the final weights and BatchNorm statistics are bitwise those of the same fit
+    without the callback; teardown takes the groups away with the wrappers."""
+    import lightning.pytorch as pl
+
+    from ckpt_examples.data import ImageData
+    from ckpt_examples.resnet import ResNet
+    from ckpt_plugin import ActivationCheckpointing
+
+    class Seen(pl.Callback):
+        def __init__(self) -> None:
+            self.groups: list[list[str]] = []  # the op groups in the model at each batch
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.groups.append([n for n, m in pl_module.named_modules() if isinstance(m, OpGroup)])
+
+    def fit(callbacks: list) -> ResNet:
+        pl.seed_everything(0, verbose=False)
+        model = ResNet(channels=16, depths=(2, 2), image_size=8, dropout=0.1, batch_size=4)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                             num_sanity_val_steps=0, callbacks=callbacks)
+        trainer.fit(model, datamodule=ImageData(image_size=8, batch_size=4, num_samples=32, seed=3))
+        return model
+
+    seen = Seen()
+    planned = fit([ActivationCheckpointing(mode="auto", layers=["Bottleneck", "re:stem"], budget=0.5), seen])
+    plain = fit([])
+    assert len(seen.groups) == 3 and all(g == seen.groups[0] and g for g in seen.groups)
+    assert not any(isinstance(m, OpGroup) or "forward" in m.__dict__ for m in planned.modules())
+    final, reference = planned.state_dict(), plain.state_dict()
+    assert list(final) == list(reference) and all(torch.equal(final[k], reference[k]) for k in reference)
