@@ -14,15 +14,15 @@ which takes only the previous one's output, the previous one used by nothing
 else) and cuts each after every activation into *units*. A chain of two or more
 units becomes a left-deep tree of :class:`OpGroup` modules: its head (every
 unit but the last, itself such a tree down to the first unit) and its last
-unit, so that
-a region over the last unit keeps only the head's output while the head is
-recomputed on its own, later, in backward (the nesting Rotor's schedules take
-at their least memory). :func:`regroup` registers the groups as children of the
-module and gives it an instance-level ``forward`` that calls them in place of
-the chain's ops; :func:`ungroup` takes both away.
+unit, so that a region over the last unit keeps only the head's output while
+the head is recomputed on its own, later, in backward (the nesting Rotor's
+schedules take at their least memory). :func:`regroup` registers the groups as
+children of the module and gives it an instance-level ``forward`` that runs the
+traced graph as a plain-data program (:class:`_Program`), the groups in place
+of the chains' ops; :func:`ungroup` takes both away.
 
 What stays exactly as it was: the ops, their order and their arguments (the
-traced graph runs what the ``forward`` runs, so gradients are bitwise equal),
+program runs what the ``forward`` runs, so gradients are bitwise equal),
 ``state_dict`` and ``named_parameters`` (a group owns no parameter and no
 buffer: it calls its layer's modules without registering them), and every
 call the trace does not describe. A traced graph fixes what Python decided
