@@ -119,11 +119,11 @@ class TracedForward:
     def __init__(self, module: nn.Module, run: _Program, training: bool) -> None:
         self.previous = module.__dict__.get("forward")  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
-        self.run, self.arity, self.training, self.module = run, run.arity, training, module
+        self.run, self.training, self.module = run, training, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The trace took every parameter for a tensor (``mask is None`` was False then) in one mode.
-        if (kwargs or len(args) != self.arity or self.module.training != self.training
+        if (kwargs or len(args) != self.run.arity or self.module.training != self.training
                 or not all(isinstance(a, torch.Tensor) for a in args)):
             return self.inner(*args, **kwargs)  # a call the trace does not describe
         return self.run(*args)
@@ -306,27 +306,28 @@ class _Program:
 
 def _load(value: Any, values: list[Any]) -> Any:
     """``value`` with every :class:`_Value` in it replaced by what it refers to."""
-    if isinstance(value, _Value):
-        return values[value.index]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_load(v, values) for v in value)
-    if isinstance(value, dict):
-        return {k: _load(v, values) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_load(value.start, values), _load(value.stop, values), _load(value.step, values))
-    return value
+    return _map(value, lambda ref: values[ref.index])
 
 
 def _refs(value: Any) -> list[int]:
+    """The indices of the :class:`_Value` s in ``value``."""
+    found: list[int] = []
+    _map(value, lambda ref: found.append(ref.index))
+    return found
+
+
+def _map(value: Any, fn: Callable[[_Value], Any]) -> Any:
+    """``value`` (nested tuples, lists, dicts and slices, as a traced op's arguments) with ``fn`` applied
+    to every :class:`_Value` in it."""
     if isinstance(value, _Value):
-        return [value.index]
+        return fn(value)
     if isinstance(value, (tuple, list)):
-        return [r for v in value for r in _refs(v)]
+        return type(value)(_map(v, fn) for v in value)
     if isinstance(value, dict):
-        return [r for v in value.values() for r in _refs(v)]
+        return {k: _map(v, fn) for k, v in value.items()}
     if isinstance(value, slice):
-        return _refs((value.start, value.stop, value.step))
-    return []
+        return slice(_map(value.start, fn), _map(value.stop, fn), _map(value.step, fn))
+    return value
 
 
 def regroup(module: nn.Module) -> bool:
