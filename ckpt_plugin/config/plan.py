@@ -44,6 +44,7 @@ from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install, policy_of
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 from ckpt_plugin.measure.fake import on_fake_tensors
+from ckpt_plugin.measure.floor import forward_floor
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
@@ -132,12 +133,14 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
         return profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth, cache=once)
 
     measured = measured_to(INSIDE_DEPTH if budget.least and eager else 0)
+    floor = ""  # ckpt.budget=min, eager: how low any plan could go (measure/floor.py)
     if budget.least:
         chosen = measured.least()
         regions_plan = _chain_instead(model, config, names, forward, note, measured,
                                       below=chosen.predicted_peak) if eager else None
+        floor = _floor_line(model, forward, measured.no_ckpt_peak) if eager else ""
         if regions_plan is not None:
-            return regions_plan
+            return replace(regions_plan, summary="\n".join(filter(None, [regions_plan.summary, floor])))
     else:
         try:
             chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
@@ -148,15 +151,19 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
             try:
                 chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
             except ConfigError as err:
-                return _chain_instead(model, config, names, forward, note, measured,
-                                      below=smallest_peak(measured.layers, measured.rest_running), refused=err)
+                try:
+                    return _chain_instead(model, config, names, forward, note, measured,
+                                          below=smallest_peak(measured.layers, measured.rest_running), refused=err)
+                except ConfigError as refused:
+                    limit = resolve(budget, measured.no_ckpt_peak)
+                    raise _with_floor(refused, model, forward, limit, measured.no_ckpt_peak) from refused
     plan = wrap_plan(chosen, config.preserve_rng_state, measured.regrouped)
     summary = plan.summary
     if budget.least:
-        summary = (f"ckpt.budget=min: the least activation peak reachable by one option per layer"
-                   f"{' or parts of it' if eager else ''} is {format_bytes(chosen.predicted_peak)} "
-                   f"({chosen.predicted_peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)\n"
-                   + summary)
+        least = (f"ckpt.budget=min: the least activation peak reachable by one option per layer"
+                 f"{' or parts of it' if eager else ''} is {format_bytes(chosen.predicted_peak)} "
+                 f"({chosen.predicted_peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)")
+        summary = "\n".join(filter(None, [least, floor, summary]))
     if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
         summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
                     f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
@@ -183,7 +190,8 @@ def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Ca
     try:
         solution = solve(costs, limit, names)
     except Unreachable as err:
-        raise ConfigError([Problem("ckpt.budget", _unreachable(limit, err.least, none_peak))]) from err
+        refused = ConfigError([Problem("ckpt.budget", _unreachable(limit, err.least, none_peak))])
+        raise _with_floor(refused, model, forward, limit, none_peak) from err
     against = (f"ckpt.segments=optimal over the {len(names)} layers {names[0]} .. {names[-1]} for ckpt.budget="
                f"{config.budget} ({format_bytes(limit)}; the activation peak without checkpointing is "
                f"{format_bytes(none_peak)})")
@@ -239,6 +247,23 @@ def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forwa
              "recomputed FLOPs that fit", str(solution)]
     group = Segments(tuple(names), solution.schedule, full)
     return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
+
+
+def _with_floor(refused: ConfigError, model: nn.Module, forward: Callable[[], Any], budget_bytes: int,
+                reference: int) -> ConfigError:
+    """``refused`` (a budget no plan of the mode meets) saying, where the budget is below the forward's own floor
+    (``measure/floor.py``), that no plan of any mode meets it either: not a matter of choosing more layers."""
+    floor = forward_floor(model, lambda: scalar(forward()))
+    if budget_bytes >= floor.bytes:
+        return refused
+    return ConfigError([replace(p, problem=f"{p.problem}. Nor can any other plan: {floor.sentence(reference)}")
+                        if p.key == "ckpt.budget" else p for p in refused.problems], refused.what)
+
+
+def _floor_line(model: nn.Module, forward: Callable[[], Any], reference: int) -> str:
+    """``ckpt.budget=min``'s line on the forward's own floor: how far below the plan's peak any plan could go."""
+    floor = forward_floor(model, lambda: scalar(forward()))
+    return f"ckpt.budget=min: {floor.sentence(reference)}"
 
 
 def _unreachable(budget: int, least: int, reference: int, by: str = "ckpt.segments=optimal",
