@@ -44,3 +44,6 @@ def test_auto_on_the_zoo(name: str) -> None:
     assert result.ours.act_peak < result.none.act_peak
     if result.own is not None:
         assert result.ours.act_peak <= 1.05 * result.own.act_peak, (result.ours.act_peak, result.own.act_peak)
+        assert result.floor is None or result.floor <= result.own.act_peak  # the library's own checkpointing too
+    # The forward's own floor is a lower bound of every plan: here, of ours and of none (None: not fakeable).
+    assert result.floor is None or 0 < result.floor <= result.ours.act_peak, (result.floor, result.ours.act_peak)

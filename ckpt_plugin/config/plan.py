@@ -43,8 +43,8 @@ from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install, policy_of
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
-from ckpt_plugin.measure.fake import on_fake_tensors
-from ckpt_plugin.measure.floor import forward_floor
+from ckpt_plugin.measure.fake import NotFakeable, on_fake_tensors
+from ckpt_plugin.measure.floor import Floor, forward_floor
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
@@ -253,8 +253,8 @@ def _with_floor(refused: ConfigError, model: nn.Module, forward: Callable[[], An
                 reference: int) -> ConfigError:
     """``refused`` (a budget no plan of the mode meets) saying, where the budget is below the forward's own floor
     (``measure/floor.py``), that no plan of any mode meets it either: not a matter of choosing more layers."""
-    floor = forward_floor(model, lambda: scalar(forward()))
-    if budget_bytes >= floor.bytes:
+    floor = _floor(model, forward)
+    if floor is None or budget_bytes >= floor.bytes:
         return refused
     return ConfigError([replace(p, problem=f"{p.problem}. Nor can any other plan: {floor.sentence(reference)}")
                         if p.key == "ckpt.budget" else p for p in refused.problems], refused.what)
@@ -262,8 +262,16 @@ def _with_floor(refused: ConfigError, model: nn.Module, forward: Callable[[], An
 
 def _floor_line(model: nn.Module, forward: Callable[[], Any], reference: int) -> str:
     """``ckpt.budget=min``'s line on the forward's own floor: how far below the plan's peak any plan could go."""
-    floor = forward_floor(model, lambda: scalar(forward()))
-    return f"ckpt.budget=min: {floor.sentence(reference)}"
+    floor = _floor(model, forward)
+    return f"ckpt.budget=min: {floor.sentence(reference)}" if floor is not None else ""
+
+
+def _floor(model: nn.Module, forward: Callable[[], Any]) -> Floor | None:
+    """The forward's floor, or None where it cannot run on fake tensors (rare: the profile before it did)."""
+    try:
+        return forward_floor(model, lambda: scalar(forward()))
+    except NotFakeable:
+        return None
 
 
 def _unreachable(budget: int, least: int, reference: int, by: str = "ckpt.segments=optimal",

@@ -43,8 +43,8 @@ Key = tuple[str, int]  # a storage's identity (``_compat.storage_key``): shared 
 
 @dataclass(frozen=True)
 class Floor:
-    """The forward's floor: ``bytes`` alive while ``op`` runs inside ``module`` (qualified name; "" for the model
-    itself or outside it), whatever is checkpointed."""
+    """The forward's floor: ``bytes`` alive while ``op`` runs inside ``module`` (qualified name; the model's own
+    class name for the model itself, "" outside every module: the loss), whatever is checkpointed."""
 
     bytes: int
     module: str
@@ -52,7 +52,7 @@ class Floor:
 
     def sentence(self, reference: int) -> str:
         """Why no plan goes below it, in words, with its fraction of ``reference`` (the peak without checkpointing)."""
-        where = f"while {self.module} runs {self.op}" if self.module else f"while {self.op} runs"
+        where = f"while {self.module} runs {self.op}" if self.module else f"while {self.op} runs outside its modules"
         return (f"no checkpointing of this model goes below {format_bytes(self.bytes)} ({self.bytes} B, "
                 f"{self.bytes / reference:.2f}): its forward alone holds that much {where}, the modules it is "
                 "called from holding their inputs and the op its inputs and output")
@@ -102,7 +102,7 @@ class _Watch(TorchDispatchMode):
 def forward_floor(model: nn.Module, forward: Callable[[], Any], *, fake: bool = True) -> Floor:
     """The forward's floor of ``model`` (see above), from one ``forward()`` on fake tensors (``fake=False``: real
     ones, for tests). The model is left as it was: wrappers, buffers, RNG, gradients."""
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
     with (checkpointing_disabled(model), fake_measurement(model, "the forward's floor") as mode,
           side_effect_free(model)):
         watch = _Watch(mode if fake else None)

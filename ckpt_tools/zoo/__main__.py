@@ -3,7 +3,8 @@
 Prints, per model: the classes chosen, the modules wrapped, whether loss,
 gradients and buffers are bitwise those without checkpointing, and the
 activation peaks (MemTracker, one training step on CPU) without
-checkpointing, with ours and with the library's own, and ours over theirs.
+checkpointing, with ours and with the library's own, ours over theirs, and
+the forward's own floor (``measure/floor.py``), checked against the peaks measured.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     entries = [e for e in all_models() if not wanted or e.name in wanted]
     print("python -m ckpt_tools.zoo  (activation peak: MemTracker, one training step, CPU)")
     print(f"{'model':<28}{'family':<16}{'chosen':<46}{'wrapped':>8}{'bitwise':>8}"
-          f"{'none':>11}{'ours':>11}{'own':>11}{'ours/own':>9}")
+          f"{'none':>11}{'ours':>11}{'own':>11}{'ours/own':>9}{'floor':>11}")
     worst = 0.0
+    floors: list[tuple[str, int, int]] = []  # (model, floor, the least peak measured)
     for entry in entries:
         r = measure(entry)
         chosen = ", ".join(r.note.split(" chose ", 1)[1].split(" (", 1)[0].split(", "))
@@ -30,8 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(worst, r.ours_over_own or 0.0)
         print(f"{entry.name:<28}{entry.family:<16}{chosen[:45]:<46}{len(r.wrapped):>8}"
               f"{'yes' if not r.mismatches else 'NO':>8}{format_bytes(r.none.act_peak):>11}"
-              f"{format_bytes(r.ours.act_peak):>11}{own:>11}{ratio:>9}")
+              f"{format_bytes(r.ours.act_peak):>11}{own:>11}{ratio:>9}"
+              f"{format_bytes(r.floor) if r.floor is not None else '-':>11}")
+        if r.floor is not None:
+            floors.append((entry.name, r.floor, min(r.none.act_peak, r.ours.act_peak)))
     print(f"{len(entries)} models; the largest ours/own: {worst:.3f}")
+    above = [name for name, floor, least in floors if floor > least]
+    print(f"the forward's floor (what no checkpointing goes below), measured on {len(floors)} of them: "
+          + (f"ABOVE a measured peak on {', '.join(above)}" if above else "at most every measured peak"))
     return 0
 
 

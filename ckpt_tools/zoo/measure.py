@@ -6,7 +6,8 @@ the run without checkpointing), the second measured by ``MemTracker``
 (``step_memory``; the first builds what a model builds lazily: rotary tables,
 masks). The library's own checkpointing is only measured: a no-grad forward
 stands in for its first step. The activation peak is README's "How we measure": each category's
-maximum over the step, recomputation counted as activation.
+maximum over the step, recomputation counted as activation. Beside them, the forward's own floor
+(``measure/floor.py``), which no way of checkpointing the model goes below.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modul
 from ckpt_plugin._compat import hook_count
 from ckpt_plugin.config.plan import plan_for
 from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.measure.fake import NotFakeable
+from ckpt_plugin.measure.floor import forward_floor
 from ckpt_plugin.measure.memory import step_memory
 from ckpt_tools.zoo import ZooModel
 
@@ -47,6 +50,7 @@ class ZooResult:
     names_kept: bool  # parameter, buffer and module names as without the plugin
     restored: bool  # remove_checkpointing unwrapped what it wrapped: forwards and hooks as the plain model's
     mismatches: list[str] = field(default_factory=list)  # gradients/buffers/loss not bitwise equal
+    floor: int | None = None  # the forward's own floor (measure/floor.py); None: the model cannot run on fake tensors
 
     @property
     def ours_over_own(self) -> float | None:
@@ -118,6 +122,10 @@ def measure(entry: ZooModel) -> ZooResult:
         warnings.simplefilter("ignore")  # HF's config notes and "use_cache=False" advice: known here
         plain = _cache_off(entry.build())
         none = _train(entry, plain)
+        try:
+            floor = forward_floor(plain, lambda: entry.loss(plain(**entry.batch()))).bytes
+        except NotFakeable:
+            floor = None
         model = entry.build()
         before = _names(model)
         note = plan_for(model, make_config(layers="auto")).note
@@ -131,7 +139,7 @@ def measure(entry: ZooModel) -> ZooResult:
             theirs = entry.build()
             entry.own(theirs)
             own = _train(entry, theirs, compared=False)
-    return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours))
+    return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours), floor)
 
 
 __all__ = ["Run", "ZooResult", "measure"]
