@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ckpt_plugin._compat import is_fake, storage_key, tree_leaves
+from ckpt_plugin._compat import TorchDispatchMode, is_fake, storage_key, tree_leaves
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import side_effect_free
