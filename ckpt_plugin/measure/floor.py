@@ -86,7 +86,10 @@ class _Watch(TorchDispatchMode):
         inputs = self.keys((args, kwargs))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (k := storage_key(t)) not in inputs and k not in self.external:
-                st = t.untyped_storage()
+                try:
+                    st = t.untyped_storage()
+                except (NotImplementedError, RuntimeError):  # no storage of its own (a wrapper subclass): uncounted
+                    continue
                 # As MemTracker: CUDA's caching allocator hands out multiples of 512 bytes.
                 self.made[k] = -(-st.nbytes() // 512) * 512 if st.device.type == "cuda" else st.nbytes()
         held = inputs | self.keys(out)
