@@ -42,6 +42,7 @@ from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.configs.app import check_app_config, config_errors_exit, config_groups
 from ckpt_plugin.engine.wrap import remove_checkpointing
 from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
+from ckpt_plugin.measure.floor import Floor, forward_floor
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
 from ckpt_plugin.measure.units import format_bytes
 
@@ -57,6 +58,7 @@ class Inspection:
     recompute_flops: dict[str, int]  # per selected module, and REST
     flops: tuple[int, int]  # whole step, without and with
     peaks: tuple[dict[str, int], dict[str, int]]  # by category, without and with
+    floor: Floor | None = None  # the forward's own floor (ckpt_plugin/measure/floor.py): no config goes below it
 
     def __str__(self) -> str:
         rows = [*self.names, REST]
@@ -83,6 +85,8 @@ class Inspection:
                     f"  {label}: {format_bytes(p0[key])} without, {format_bytes(p1[key])} with "
                     f"({p1[key] / p0[key]:.2f} of without)"
                 )
+        if self.floor is not None and "act" in p0:
+            lines.append(f"  the forward's own floor: {self.floor.sentence(p0['act'])}")
         return "\n".join(line for line in lines if line)
 
 
@@ -188,7 +192,8 @@ def inspect_step(
         remove_checkpointing(model)
     recompute = {n: by1[n] - by0[n] for n in names}
     recompute[REST] = (f1 - f0) - sum(recompute.values())
-    return Inspection(type(model).__name__, names, without, with_ckpt, recompute, (f0, f1), (p0, p1))
+    floor = forward_floor(model, step_loss, fake=fake)
+    return Inspection(type(model).__name__, names, without, with_ckpt, recompute, (f0, f1), (p0, p1), floor)
 
 
 OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)  # --help: inspect.yaml's hydra.help

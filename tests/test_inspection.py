@@ -96,6 +96,9 @@ def test_fake_tensors_give_every_number_of_real_steps(name, keys) -> None:
     assert fake == real
     assert str(fake) == str(real)
     assert fake.with_ckpt.total < fake.without.total and fake.peaks[1]["act"] < fake.peaks[0]["act"]
+    # The forward's own floor (equal on fake and real tensors, above): below the peak with the config, and said.
+    assert 0 < fake.floor.bytes <= fake.peaks[1]["act"]
+    assert f"the forward's own floor: no checkpointing of this model goes below " in str(fake)
 
 
 class ReadsValues(nn.Module):
