@@ -15,8 +15,9 @@ import re
 
 import pytest
 
-from ckpt_plugin.config.plan import apply_config
+from ckpt_plugin.config.plan import apply_config, plan_for
 from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_tools.zoo import all_models
 from ckpt_tools.zoo.measure import _differences, _train
@@ -48,3 +49,25 @@ def test_a_forward_that_reads_values_is_refused_by_name() -> None:
             "cannot run on them: DataDependentOutputException")):
         apply_config(model, make_config(layers="auto", mode="auto", budget=0.75),
                      forward=lambda: entry.loss(model(**entry.batch())))
+
+
+def test_the_module_min_names_outside_ckpt_layers_takes_it_lower_when_selected() -> None:
+    """Hugging Face's ResNet: ``layers=auto`` chooses its bottleneck layers, and the embedder (a convolution,
+    BatchNorm and ReLU at full resolution) keeps much of the rest; ``ckpt.budget=min`` names it, and selecting it
+    by that name reaches a lower peak, gradients and buffers still bitwise those without checkpointing."""
+    entry = ZOO["hf.resnet"]
+    peaks = {}
+    named = None
+    for layers in ("auto", None):
+        model = entry.build()
+        forward = lambda model=model: entry.loss(model(**entry.batch()))  # noqa: E731
+        plan = plan_for(model, make_config(layers=layers or ["ResNetBottleNeckLayer", named], mode="auto",
+                                           budget="min"), forward)
+        if layers == "auto":
+            named = re.search(r"outside ckpt\.layers, (\S+) keeps", plan.summary)[1]
+            assert named == "resnet.embedder"
+        install(model, plan)
+        plain, planned = _train(entry, entry.build()), _train(entry, model)
+        assert _differences(plain, planned) == []
+        peaks[layers] = planned.act_peak
+    assert peaks[None] < peaks["auto"], peaks
