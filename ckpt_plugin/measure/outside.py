@@ -62,7 +62,8 @@ class _Saves:
         self.seen = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         self.owners: list[str | None] = [None]
         self.saved: dict[str, dict[Key, int]] = defaultdict(dict)
-        self.inputs: dict[str, set[Key]] = defaultdict(set)
+        # Held (fake tensors: no memory) so that no later storage can take an input's id once it dies.
+        self.inputs: dict[str, dict[Key, torch.Tensor]] = defaultdict(dict)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
@@ -76,7 +77,7 @@ class _Saves:
         def pre(_m: nn.Module, args: Any, kwargs: Any) -> None:
             self.owners.append(name if own else None)
             if own:
-                self.inputs[name] |= {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                self.inputs[name] |= {storage_key(t): t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
 
         def post(_m: nn.Module, _args: Any, _out: Any) -> None:
             self.owners.pop()

@@ -205,6 +205,9 @@ class _Recorder:
             return storage_key(t)
         if id(t) not in self.fakes:
             self.fakes[id(t)] = (t, self.mode.from_tensor(t))
+            # Its copy's storage may have the id of one an op made and that died already (a closure's
+            # tensor, first seen mid-forward): that op is not where it comes from.
+            self.producers.pop(storage_key(self.fakes[id(t)][1]), None)
         return storage_key(self.fakes[id(t)][1])
 
     # -- where a storage comes from --------------------------------------------------------
