@@ -43,9 +43,8 @@ from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install, policy_of
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
-from ckpt_plugin.measure.fake import NotFakeable, on_fake_tensors
-from ckpt_plugin.measure.floor import Floor, forward_floor
-from ckpt_plugin.measure.outside import outside_keepers
+from ckpt_plugin.config.in_the_way import least_lines, with_floor, with_reasons
+from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
@@ -134,13 +133,12 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
         return profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth, cache=once)
 
     measured = measured_to(INSIDE_DEPTH if budget.least and eager else 0)
-    floor = ""  # ckpt.budget=min, eager: how low any plan could go (measure/floor.py)
+    floor = ""  # ckpt.budget=min, eager: how low any plan could go, and what stands in the way (in_the_way.py)
     if budget.least:
         chosen = measured.least()
         regions_plan = _chain_instead(model, config, names, forward, note, measured,
                                       below=chosen.predicted_peak) if eager else None
-        floor = "\n".join(filter(None, [_floor_line(model, forward, measured.no_ckpt_peak),
-                                         _outside_line(model, names, forward, measured.no_ckpt_peak)])) if eager else ""
+        floor = least_lines(model, names, lambda: scalar(forward()), measured.no_ckpt_peak) if eager else ""
         if regions_plan is not None:
             return replace(regions_plan, summary="\n".join(filter(None, [regions_plan.summary, floor])))
     else:
@@ -157,11 +155,8 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
                     return _chain_instead(model, config, names, forward, note, measured,
                                           below=smallest_peak(measured.layers, measured.rest_running), refused=err)
                 except ConfigError as refused:
-                    limit = resolve(budget, measured.no_ckpt_peak)
-                    explained = _with_floor(refused, model, forward, limit, measured.no_ckpt_peak)
-                    if explained is refused:  # above the floor: more layers may reach it
-                        explained = _with_outside(refused, model, names, forward, measured.no_ckpt_peak)
-                    raise explained from refused
+                    raise with_reasons(refused, model, names, lambda: scalar(forward()),
+                                       resolve(budget, measured.no_ckpt_peak), measured.no_ckpt_peak) from refused
     plan = wrap_plan(chosen, config.preserve_rng_state, measured.regrouped)
     summary = plan.summary
     if budget.least:
@@ -196,7 +191,7 @@ def _optimal(model: nn.Module, config: FullConfig, names: list[str], forward: Ca
         solution = solve(costs, limit, names)
     except Unreachable as err:
         refused = ConfigError([Problem("ckpt.budget", _unreachable(limit, err.least, none_peak))])
-        raise _with_floor(refused, model, forward, limit, none_peak) from err
+        raise with_floor(refused, model, lambda: scalar(forward()), limit, none_peak) from err
     against = (f"ckpt.segments=optimal over the {len(names)} layers {names[0]} .. {names[-1]} for ckpt.budget="
                f"{config.budget} ({format_bytes(limit)}; the activation peak without checkpointing is "
                f"{format_bytes(none_peak)})")
@@ -252,73 +247,6 @@ def _chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forwa
              "recomputed FLOPs that fit", str(solution)]
     group = Segments(tuple(names), solution.schedule, full)
     return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
-
-
-def _with_floor(refused: ConfigError, model: nn.Module, forward: Callable[[], Any], budget_bytes: int,
-                reference: int) -> ConfigError:
-    """``refused`` (a budget no plan of the mode meets) saying, where the budget is below the forward's own floor
-    (``measure/floor.py``), that no plan of any mode meets it either: not a matter of choosing more layers."""
-    floor = _floor(model, forward)
-    if floor is None or budget_bytes >= floor.bytes:
-        return refused
-    return ConfigError([replace(p, problem=f"{p.problem}. Nor can any other plan: {floor.sentence(reference)}")
-                        if p.key == "ckpt.budget" else p for p in refused.problems], refused.what)
-
-
-def _floor_line(model: nn.Module, forward: Callable[[], Any], reference: int) -> str:
-    """``ckpt.budget=min``'s line on the forward's own floor: how far below the plan's peak any plan could go."""
-    floor = _floor(model, forward)
-    return f"ckpt.budget=min: {floor.sentence(reference)}" if floor is not None else ""
-
-
-def _with_outside(refused: ConfigError, model: nn.Module, names: list[str], forward: Callable[[], Any],
-                  reference: int) -> ConfigError:
-    """``refused`` (a budget ckpt=auto cannot meet) naming the modules outside ``ckpt.layers`` that keep the most:
-    which "more layers" to select, rather than any."""
-    said = _outside_sentence(model, names, forward, reference)
-    if not said:
-        return refused
-    return ConfigError([replace(p, problem=f"{p.problem}. {said}") if p.key == "ckpt.budget" else p
-                        for p in refused.problems], refused.what)
-
-
-def _outside_line(model: nn.Module, names: list[str], forward: Callable[[], Any], reference: int) -> str:
-    """``ckpt.budget=min``'s line on the modules outside ``ckpt.layers`` that keep the most ("": none to speak of)."""
-    said = _outside_sentence(model, names, forward, reference)
-    return f"ckpt.budget=min: {said[0].lower()}{said[1:]}" if said else ""
-
-
-_OUTSIDE_SHOWN = 3  # modules named, at most
-_OUTSIDE_SHARE = 20  # ... each keeping at least 1/20 of the peak without checkpointing
-
-
-def _outside_sentence(model: nn.Module, names: list[str], forward: Callable[[], Any], reference: int) -> str:
-    """Which modules outside ``names`` keep a share of the peak worth checkpointing too, in a sentence; "" if none."""
-    try:
-        keepers = outside_keepers(model, names, lambda: scalar(forward()))
-    except NotFakeable:
-        return ""
-    shown = [(n, b) for n, b in keepers if b * _OUTSIDE_SHARE >= reference][:_OUTSIDE_SHOWN]
-    if not shown:
-        return ""
-    of = [f"{n} {format_bytes(b)} ({b / reference:.2f}{' of the peak without checkpointing' if i == 0 else ''})"
-          for i, (n, b) in enumerate(shown)]
-    if len(shown) == 1:
-        name, size = of[0].split(" ", 1)
-        said, them = f"{name} keeps {size} beyond its inputs for backward, whatever the plan", "it"
-    else:
-        said = f"{len(shown)} modules keep beyond their inputs for backward, whatever the plan: {', '.join(of)}"
-        them = "them"
-    return (f"Outside ckpt.layers, {said}: add {them} to ckpt.layers (a qualified name is an entry) for "
-            f"ckpt=auto to checkpoint {them} too")
-
-
-def _floor(model: nn.Module, forward: Callable[[], Any]) -> Floor | None:
-    """The forward's floor, or None where it cannot run on fake tensors (rare: the profile before it did)."""
-    try:
-        return forward_floor(model, lambda: scalar(forward()))
-    except NotFakeable:
-        return None
 
 
 def _unreachable(budget: int, least: int, reference: int, by: str = "ckpt.segments=optimal",
