@@ -17,6 +17,7 @@ from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
+from ckpt_plugin.planning.planner import Part
 from ckpt_plugin.planning.profile import (OPTIONS, Budget, Cost, LayerProfile, Profile, parse_budget, plan, profile,
                                           resolve, wrap_plan)
 from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memory
@@ -166,6 +167,28 @@ def test_budget_min_is_the_least_peak_at_its_least_cost(n: int) -> None:
         assert chosen.predicted_peak == chosen.budget_bytes == least
         at_least = min(cost for peak, cost, _ in everything if peak == least)
         assert (chosen.recompute_seconds, chosen.recompute_flops, _level(chosen.choices.values())) == at_least
+
+
+def test_budget_min_looks_past_a_plan_inside_a_layer_that_measures_more_than_predicted() -> None:
+    """Inside a layer the peak model is not exact (``Profile.least``): the plan of the least predicted peak
+    measures 200 B, the next one, per layer only (exact), holds 160 B; ``min`` takes the one that holds less,
+    having measured the first once."""
+    part = (Part("a.x", "full", 0, 10),)
+    layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 160, 0.002),
+                                 "inside#1": Cost(20, 10, 120, 0.001, part)}),
+              LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
+    measured = []
+
+    def measure(chosen) -> int:
+        measured.append(dict(chosen.choices))
+        return 200  # every plan with a part in it
+
+    first = Profile(layers, 0, 0, no_ckpt_peak=10**6).least()  # the model's own choice: predicted 120
+    assert first.choices == {"a": "inside", "a.x": "full", "b": "keep"} and first.predicted_peak == 120
+    chosen = Profile(layers, 0, 0, no_ckpt_peak=10**6, measure=measure).least()
+    assert measured == [first.choices]
+    assert chosen.choices == {"a": "full", "b": "keep"}  # 160 B at a's run, b keeping 100 B after it: exact
+    assert chosen.predicted_peak == chosen.budget_bytes == 160 and not chosen.peak_measured
 
 
 # ---------------------------------------------------------------------- the real GPT

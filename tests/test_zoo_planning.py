@@ -20,7 +20,7 @@ from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_tools.zoo import all_models
-from ckpt_tools.zoo.measure import _differences, _train
+from ckpt_tools.zoo.measure import _cache_off, _differences, _train
 
 pytest.importorskip("transformers")
 
@@ -71,3 +71,19 @@ def test_the_module_min_names_outside_ckpt_layers_takes_it_lower_when_selected()
         assert _differences(plain, planned) == []
         peaks[layers] = planned.act_peak
     assert peaks[None] < peaks["auto"], peaks
+
+
+def test_one_more_candidate_does_not_make_min_hold_more() -> None:
+    """Hugging Face's BERT with its prediction head (``cls``) a candidate too: the plan of the least predicted peak
+    goes inside the head and measures more than predicted; ``ckpt.budget=min`` looks past it (``Profile.least``)
+    and holds no more than without the head, bitwise."""
+    entry = ZOO["hf.bert"]
+    peaks = {}
+    for layers in (("BertLayer",), ("BertLayer", "cls")):
+        model = entry.build()
+        apply_config(model, make_config(layers=list(layers), mode="auto", budget="min"),
+                     forward=lambda model=model: entry.loss(model(**entry.batch())))
+        plain, planned = _train(entry, _cache_off(entry.build())), _train(entry, model)
+        assert _differences(plain, planned) == []
+        peaks[layers] = planned.act_peak
+    assert peaks[("BertLayer", "cls")] <= peaks[("BertLayer",)], peaks
