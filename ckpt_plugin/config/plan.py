@@ -133,14 +133,14 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
         return profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth, cache=once)
 
     measured = measured_to(INSIDE_DEPTH if budget.least and eager else 0)
-    floor = ""  # ckpt.budget=min, eager: how low any plan could go, and what stands in the way (in_the_way.py)
+    in_the_way = ""  # ckpt.budget=min, eager: how low any plan could go, and what stands in the way
     if budget.least:
         chosen = measured.least()
         regions_plan = _chain_instead(model, config, names, forward, note, measured,
                                       below=chosen.predicted_peak) if eager else None
-        floor = least_lines(model, names, lambda: scalar(forward()), measured.no_ckpt_peak) if eager else ""
+        in_the_way = least_lines(model, names, lambda: scalar(forward()), measured.no_ckpt_peak) if eager else ""
         if regions_plan is not None:
-            return replace(regions_plan, summary="\n".join(filter(None, [regions_plan.summary, floor])))
+            return replace(regions_plan, summary="\n".join(filter(None, [regions_plan.summary, in_the_way])))
     else:
         try:
             chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
@@ -163,7 +163,7 @@ def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[st
         least = (f"ckpt.budget=min: the least activation peak reachable by one option per layer"
                  f"{' or parts of it' if eager else ''} is {format_bytes(chosen.predicted_peak)} "
                  f"({chosen.predicted_peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)")
-        summary = "\n".join(filter(None, [least, floor, summary]))
+        summary = "\n".join(filter(None, [least, in_the_way, summary]))
     if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
         summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
                     f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")

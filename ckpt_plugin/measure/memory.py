@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,27 +77,36 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def saved_bytes(model: nn.Module, run: Callable[[], Any], owners: list[str]) -> SavedBytes:
+def saved_bytes(model: nn.Module, run: Callable[[], Any], owners: list[str],
+                beyond_inputs: Collection[str] = ()) -> SavedBytes:
     """Run ``run()`` (a forward of ``model``) and count what autograd keeps for backward.
 
     Bytes saved while a module in ``owners`` (qualified names) runs are
     attributed to it, the rest to ``REST``. A module wrapped by checkpointing
     saves nothing itself, but holds its inputs for recomputation: those count
-    too, under its name. The forward's output is dropped before returning.
+    too, under its name. An owner in ``beyond_inputs`` is charged only what it
+    keeps beyond its inputs (what checkpointing it would free); its inputs, unless
+    saved before it ran, count under no one, and are held until ``run`` returns
+    (so that no later storage takes their identity). The forward's output is
+    dropped before returning.
     """
     counter = SavedCounter(model)
     modules = dict(model.named_modules())
     wrapped = {name for name in owners if "forward" in modules[name].__dict__}
+    held: list[torch.Tensor] = []
     handles = []
     for name in owners:
         module = modules[name]
 
         def pre(_m: nn.Module, args: Any, kwargs: Any, name: str = name) -> None:
             counter.owners.append(name)
-            if name in wrapped:
-                for t in tree_leaves((args, kwargs)):
-                    if isinstance(t, torch.Tensor):
-                        counter.add(t)
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if name in beyond_inputs:
+                held.extend(inputs)
+                counter.seen.update(storage_key(t) for t in inputs)
+            elif name in wrapped:
+                for t in inputs:
+                    counter.add(t)
 
         def post(_m: nn.Module, _args: Any, _out: Any) -> None:
             counter.owners.pop()

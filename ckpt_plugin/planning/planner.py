@@ -146,8 +146,8 @@ class Profile:
         beyond its prediction (at least a byte: a tie is looked past too), and the least is planned
         again, until a plan comes back or a few were measured; the lowest measured is kept. On Hugging
         Face's BERT, one more candidate (its prediction head) had made ``min`` hold 75,656 B where
-        the plan without it held 72,840 B (one thread, 2026-11-27); now both hold 72,840 B. A heuristic: the plan it keeps is
-        the lowest of those it measured, not of all plans.
+        the plan without it held 72,840 B (one thread, 2026-11-27); now both hold 72,840 B. A
+        heuristic: the plan it keeps is the lowest of those it measured, not of all plans.
         """
         layers, best, seen = self.layers, None, set()
         for _ in range(_TRIES):
@@ -156,7 +156,8 @@ class Profile:
                           none_seconds=self.none_seconds)
             chosen = replace(chosen, timed_as=self.timed_as)
             if self.measure is None or len(chosen.choices) == len(self.layers):  # nothing inside: exact
-                best = best if best is not None and best.predicted_peak <= chosen.predicted_peak else chosen
+                if best is None or chosen.predicted_peak < best.predicted_peak:
+                    best = chosen
                 break
             if chosen.keys in seen:
                 break
