@@ -64,7 +64,8 @@ class EpochAwareDataLoader(StatefulDataLoader):
       epoch's is drawn from.
 
     Made for the examples: map-style data, shuffled (if at all) by the
-    ``DistributedSampler`` Lightning puts in, workers not persistent.
+    ``DistributedSampler`` Lightning puts in, workers not persistent and started by a
+    forkserver (below).
     """
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
@@ -78,6 +79,12 @@ class EpochAwareDataLoader(StatefulDataLoader):
             # resumed at an epoch's end would draw before ResumableRNG restores it and the uninterrupted run after:
             # their dropout masks would be one draw apart.
             kwargs["generator"] = torch.Generator().manual_seed(torch.initial_seed())
+        if kwargs.get("num_workers", 0) > 0 and kwargs.get("multiprocessing_context") is None:
+            # Forked from a training process, which runs threads (a DDP rank's gloo, autograd's), a worker can
+            # hang before it starts: Python 3.11's child waits in PyOS_AfterFork_Child for a lock a thread held
+            # at the fork (seen once: a resumed DDP run's worker, tests/test_resume.py, 2026-11-27). A forkserver
+            # forks them from a process of its own, without those threads.
+            kwargs["multiprocessing_context"] = "forkserver"
         super().__init__(dataset, *args, **kwargs)
         self._generator_at_iter = self.generator.get_state()  # before the current iterator drew its base seed
 
