@@ -134,7 +134,7 @@ def _deepspeed_checkpointing() -> dict[str, Any] | None:
     return {name: getattr(ds, name) for name in names}
 
 
-def fit(preset: str, overrides: list[str], out: Path) -> None:
+def fit(preset: str, overrides: list[str], out: Path) -> pl.Trainer:
     """One run: ``OUT/rank<r>.json`` on each rank."""
     target = [f"trainer.strategy._target_={CPU_TARGETS[preset]}"] if preset in CPU_TARGETS else []
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
@@ -158,16 +158,19 @@ def fit(preset: str, overrides: list[str], out: Path) -> None:
         "deepspeed_checkpointing": _deepspeed_checkpointing(),
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    return trainer
 
 
 def main(out: Path, runs: dict[str, list]) -> None:
+    from rank_exit import leave  # beside this file
+
+    children: list = []  # the ranks Lightning's launcher started (at the first fit, on rank 0)
     for name, (preset, overrides) in runs.items():
         start = time.perf_counter()
-        fit(preset, overrides, out / name)
+        trainer = fit(preset, overrides, out / name)
+        children += getattr(trainer.strategy.launcher, "procs", [])
         rank_zero_info(f"[dist_worker] {name}: {time.perf_counter() - start:.1f} s")
-    # Both ranks done, then gloo torn down before the interpreter: no abort at exit (as in test_fabric.py).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave(trainer.global_rank, children)  # rank 0 fails if rank 1 did
 
 
 if __name__ == "__main__":
