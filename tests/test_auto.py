@@ -384,3 +384,63 @@ def test_the_summary_says_how_options_were_timed_even_without_a_predicted_ratio(
     ratio = Profile(layers, 0, 0, no_ckpt_peak=100, none_seconds=0.01, timed_as="eager").plan(35)
     assert "predicted step time 1.20x that without checkpointing (+2.0 ms of recomputation, measured layer by " \
            "layer, eager)" in str(ratio)
+
+
+# ---------------------------------------------------------------------- a layer that writes a saved output in place
+
+class _ScoresInPlace(torch.nn.Module):
+    """Adds to its attention scores in place, as Hugging Face's Funnel does to its ``bmm`` scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 8) -> (B, T, 8)
+        scores = torch.bmm(x, x.transpose(1, 2))
+        scores.add_(1.0)  # selective saves the bmm's output: the recomputation would read it plus 1
+        return x + torch.bmm(scores.softmax(-1), torch.tanh(self.v(x)))
+
+
+class _Scores(_ScoresInPlace):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.bmm(torch.bmm(x, x.transpose(1, 2)).softmax(-1), torch.tanh(self.v(x)))
+
+
+def _mixed() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_ScoresInPlace(), _Scores(), _ScoresInPlace(), _Scores())
+
+
+def test_auto_leaves_out_a_selective_option_a_layer_cannot_run_under() -> None:
+    """``selective`` saves the ``bmm`` that ``_ScoresInPlace`` then writes in place: asked for by name, it is an
+    error naming the layer; ``ckpt=auto`` profiles those layers without it (the others keep it) where it failed
+    before, and its plans train bitwise as without checkpointing."""
+    from ckpt_plugin.config.plan import apply_config
+    from ckpt_plugin.config.schema import make_config
+    from ckpt_plugin.engine.policies import SavedOutputModified
+
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    layers = ["0", "1", "2", "3"]
+
+    def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        model(x).pow(2).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    model = _mixed()
+    apply_checkpointing(model, layers=layers, mode="selective")
+    with pytest.raises(SavedOutputModified, match=(
+            r"^selective checkpointing of 0 saved the output of aten.bmm.default and it was then modified in place")):
+        grads(model)
+
+    model = _mixed()
+    prof = profile(model, layers, lambda: model(x).pow(2).sum())
+    assert {layer.name: sorted(layer.options) for layer in prof.layers} == {
+        "0": ["full", "keep", "selective_nb"], "1": ["full", "keep", "selective", "selective_nb"],
+        "2": ["full", "keep", "selective_nb"], "3": ["full", "keep", "selective", "selective_nb"]}
+    plain = grads(_mixed())
+    for budget in ("min", 0.7):  # a nest of regions over the four; three layers full (both run the timed profile)
+        model = _mixed()
+        assert apply_config(model, make_config(layers=layers, mode="auto", budget=budget),
+                            forward=lambda: model(x).pow(2).sum())
+        got = grads(model)
+        assert all(torch.equal(got[n], plain[n]) for n in plain), budget

@@ -1,6 +1,6 @@
 """``layers=auto`` on models nobody here wrote: the zoo (``ckpt_tools/zoo``), one training step per way.
 
-For every model (40 Hugging Face architectures from tiny configs; torch's and
+For every model (43 Hugging Face architectures from tiny configs; torch's and
 Lightning's transformers; the nesting shapes of timm and torchvision, which
 cannot be installed beside this torch): auto chooses the units the library
 checkpoints itself (or its repeated layer where it has none); loss, every

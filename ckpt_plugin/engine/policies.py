@@ -310,12 +310,27 @@ def make_policy(policy: Any, *, save_names: Any = None, exclude_names: Any = Non
 
 # ---------------------------------------------------------------------- the two modes
 
-def _mutated(op: Any) -> RuntimeError:
-    return RuntimeError(
-        f"selective checkpointing saved the output of {op} and it was then modified in place (an "
-        "inplace op such as ReLU(inplace=True) on it); the recomputation would use the modified "
-        f"value. Make that op out-of-place, or leave {op} out of ckpt.policy."
-    )
+class SavedOutputModified(RuntimeError):
+    """A selective policy saved an op's output that was then modified in place: the recomputation would
+    read the modified value. ``op``: that op; ``module``: the checkpointed module whose forward saved it,
+    where known (``wrap.CheckpointedForward`` names it as the error leaves the forward)."""
+
+    def __init__(self, op: Any, module: str | None = None) -> None:
+        self.op, self.module = op, module
+        of = f" of {module}" if module else ""
+        super().__init__(
+            f"selective checkpointing{of} saved the output of {op} and it was then modified in place (an "
+            "inplace op such as ReLU(inplace=True) on it); the recomputation would use the modified "
+            f"value. Make that op out-of-place, or leave {op} out of ckpt.policy."
+        )
+
+    def within(self, module: str) -> SavedOutputModified:
+        """This error, naming ``module``."""
+        return SavedOutputModified(self.op, module)
+
+
+def _mutated(op: Any) -> SavedOutputModified:
+    return SavedOutputModified(op)
 
 
 class _Saved:
@@ -449,6 +464,7 @@ __all__ = [
     "MATMULS",
     "MATMULS_NO_BATCH",
     "POLICIES",
+    "SavedOutputModified",
     "SelectivePolicy",
     "checkpoint_name",
     "make_policy",

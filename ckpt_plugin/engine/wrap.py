@@ -57,6 +57,7 @@ from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
 from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of
 from ckpt_plugin.engine.chain_check import check_chain
 from ckpt_plugin.engine.plan import Segments, WrapPlan
+from ckpt_plugin.engine.policies import SavedOutputModified
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
@@ -129,7 +130,13 @@ class CheckpointedForward:
                 # on a mismatch: it replaces our check rather than fail.
                 context_fn = None
         options = {"context_fn": context_fn} if context_fn else {}
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
+        try:
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
+        except SavedOutputModified as err:
+            # Found as the forward ends: say which module (ckpt=auto then profiles it without the option).
+            if err.module or not self.name:
+                raise
+            raise err.within(self.name) from None
 
 
 def wrapped_modules(model: nn.Module) -> list[str]:

@@ -18,7 +18,9 @@ no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and no
 (``ckpt=auto``: ``INSIDE_DEPTH``), the layers' parts (child modules, and
 theirs) are measured and timed the same way, level by level, and become more
 options of their layer (``inside.py``): checkpointed inside it, so that a
-budget under what ``full`` on a layer reaches can be met.
+budget under what ``full`` on a layer reaches can be met. A layer that cannot
+run under a selective option (it writes in place an output the policy saves:
+``policies.SavedOutputModified``) is profiled, timed and planned without it.
 
 The peak model (``planner.py``), in activation bytes as MemTracker counts them
 (storages made by ops in forward, or by recomputation in backward), with the
@@ -70,7 +72,7 @@ from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.engine.blocks import has_forward
 from ckpt_plugin.engine.op_groups import is_regrouped, regroup, top_groups, ungroup
 from ckpt_plugin.engine.op_groups import parts as op_group_parts
-from ckpt_plugin.engine.policies import BATCHED_MATMULS, make_policy
+from ckpt_plugin.engine.policies import BATCHED_MATMULS, SavedOutputModified, make_policy
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
@@ -404,7 +406,8 @@ class ProfileCache:
     """
 
     timings: TimingCache = field(default_factory=dict)
-    steps: dict[tuple[tuple[str, ...], bool], tuple[dict[str, _Recorder], dict[str, dict[str, int]]]] = field(default_factory=dict)
+    steps: dict[tuple[tuple[str, ...], bool],
+                tuple[dict[str, _Recorder], dict[str, dict[str, int]], dict[str, set[str]]]] = field(default_factory=dict)
 
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
@@ -453,10 +456,14 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
             # Without a batched matmul in the layers, selective_nb saves what selective saves (linear layers
             # only) or what full does (convolutions): no option of its own, so no step of its own either.
             offered = [o for o in OPTIONS if o != "selective_nb" or stepped["keep"].batched]
-            stepped |= {option: _step(model, names, forward, option, fake=mode) for option in offered[1:]}
+            lacking: dict[str, set[str]] = {}  # layer -> options it cannot run under
+            for option in offered[1:]:
+                stepped[option], without = _step_where_it_runs(model, names, forward, option, mode)
+                for name in without:
+                    lacking.setdefault(name, set()).add(option)
             cache.steps[tuple(names), fake] = (
-                stepped, {option: dict(r.flops) if option != "keep" else {} for option, r in stepped.items()})
-        recorders, flops = cache.steps[tuple(names), fake]
+                stepped, {option: dict(r.flops) if option != "keep" else {} for option, r in stepped.items()}, lacking)
+        recorders, flops, lacking = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
         forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
         grouped = _ran_as_groups(model, names, forward, mode, stack.enter_context(_grouped(model, names))) \
@@ -468,7 +475,7 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     layers = [
         LayerProfile(name, {
             option: Cost(kept.get(name, 0), flops[option].get(name, 0), running.get(name, 0))
-            for option, (kept, running, _peak) in memory.items()
+            for option, (kept, running, _peak) in memory.items() if option not in lacking.get(name, ())
         })
         for name in names
     ]
@@ -489,11 +496,12 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     if not timed:
         return _with_inside(measured)
     timed_parts = {name: list(options) for name, options in parts.items() if len(options) > 1}
-    offered = [o for o in OPTIONS if o in measured.layers[0].options] if measured.layers else list(OPTIONS)
+    offered = [o for o in OPTIONS if any(o in layer.options for layer in measured.layers)] or list(OPTIONS)
     with cache_warnings_silenced():
         times = measure_layer_times(model, names, forward, {o: treatment(o) for o in offered},
                                     compiled={o: b for o, b in (compiled or {}).items() if o in offered},
-                                    parts=timed_parts, cache=cache.timings, whole_step="keep" in (compiled or {}))
+                                    parts=timed_parts, cache=cache.timings, whole_step="keep" in (compiled or {}),
+                                    layer_options={layer.name: list(layer.options) for layer in measured.layers})
     return with_times(measured, times)
 
 
@@ -504,7 +512,9 @@ def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
 
     def between(layer: LayerProfile) -> bool:
         o = layer.options
-        return o["full"].kept_bytes < o["selective_nb"].kept_bytes < o["selective"].kept_bytes
+        if "selective_nb" in o and "selective" not in o:  # selective cannot run here: selective_nb is the one
+            return True
+        return "selective_nb" in o and o["full"].kept_bytes < o["selective_nb"].kept_bytes < o["selective"].kept_bytes
 
     if all("selective_nb" not in layer.options for layer in layers) or any(between(layer) for layer in layers):
         return layers
@@ -620,6 +630,29 @@ def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[st
     with (cache_warnings_silenced(), checkpointing_disabled(model), _grouped(model, _regrouped(grouped, choices)),
           fake_measurement(model, "ckpt=auto's profile") as mode):
         return _step(model, list(choices), forward, dict(choices), fake=mode if fake else None).analyse()[2]
+
+
+def _step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str,
+                        mode: Any) -> tuple[_Recorder, set[str]]:
+    """:func:`_step` with every candidate under ``option`` that can run under it; the others, kept.
+
+    A selective policy cannot run where the layer modifies in place an output the policy
+    saves (``policies.SavedOutputModified``: Funnel's attention adds to its ``bmm`` scores,
+    ConvBERT's convolution output and Swin V2's ``addmm`` are written in place): the step
+    names the first such layer, and every candidate of its class runs ``keep`` in a step
+    again (one class runs one forward). Returns the recorder and the layers left out.
+    """
+    modules = dict(model.named_modules())
+    chosen = dict.fromkeys(names, option)
+    while True:
+        try:
+            return _step(model, names, forward, chosen, fake=mode), {n for n, o in chosen.items() if o != option}
+        except SavedOutputModified as err:
+            if err.module not in chosen or chosen[err.module] != option:
+                raise
+            cls = type(modules[err.module])
+            chosen |= {n: "keep" for n in names if type(modules[n]) is cls}
+            log.debug("ckpt=auto: no %s for %s layers: %s", option, cls.__name__, err)
 
 
 def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any], mode: Any,

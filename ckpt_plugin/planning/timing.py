@@ -175,6 +175,7 @@ def measure_layer_times(
     compiled: Mapping[str, str] | None = None,
     parts: Mapping[str, Collection[str]] | None = None,
     whole_step: bool = False,
+    layer_options: Mapping[str, Collection[str]] | None = None,
 ) -> LayerTimes:
     """Time every option of every candidate layer (qualified names) on real inputs, one layer at a time.
 
@@ -217,6 +218,9 @@ def measure_layer_times(
     inputs in the same no-grad forward (never inside the timing of its layer),
     alike parts once; they take no part in the step with every layer ``full``.
 
+    ``layer_options``: layer -> the options to time it under, where fewer than ``options``
+    (``keep`` always): a layer that cannot run under a selective policy (``profile.py``).
+
     ``whole_step`` (with ``keep`` compiled: the whole step will run compiled, the
     model compiled by the user): also what the rest of the model keeps in that
     compiled step, with every layer ``full``, as ``compiled_rest_bytes``. The
@@ -257,7 +261,8 @@ def measure_layer_times(
     grads = {p: p.grad for p in model.parameters()}
     try:
         with side_effect_free(model), checkpointing_disabled(model), _eager_unless_ours(compiled):
-            timed = dict.fromkeys(names, list(options)) | parts
+            timed = {name: [o for o in options if o == "keep" or o in (layer_options or {}).get(name, options)]
+                     for name in names} | parts
             _time_layers(modules, timed, forward, runs, repeats, cache, seconds, kept, now)
             full_step = _time_full_step(modules, names, forward, runs, step_repeats, now)
             rest = None
