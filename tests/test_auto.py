@@ -402,8 +402,8 @@ class _ScoresInPlace(torch.nn.Module):
 
 
 class _Scores(_ScoresInPlace):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.bmm(torch.bmm(x, x.transpose(1, 2)).softmax(-1), torch.tanh(self.v(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # elementwise ops between the matmuls: selective keeps less
+        return x + torch.bmm(torch.bmm(x, x.transpose(1, 2)).softmax(-1).exp().sigmoid(), torch.tanh(self.v(x)).exp())
 
 
 def _mixed() -> torch.nn.Sequential:
@@ -444,3 +444,39 @@ def test_auto_leaves_out_a_selective_option_a_layer_cannot_run_under() -> None:
                             forward=lambda: model(x).pow(2).sum())
         got = grads(model)
         assert all(torch.equal(got[n], plain[n]) for n in plain), budget
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _ScoresInPlace(), _Scores()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_parts_that_cannot_run_selective_leave_the_others_candidates_inside_their_layer() -> None:
+    """One level down the same: the part that writes its saved ``bmm`` in place is profiled without ``selective``,
+    its sibling with it, and ``min`` plans inside the layers, bitwise."""
+    from ckpt_plugin.config.plan import apply_config
+    from ckpt_plugin.config.schema import make_config
+
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+
+    def pairs() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(_Pair(), _Pair())
+
+    model = pairs()
+    prof = profile(model, ["0", "1"], lambda: model(x).pow(2).sum(), depth=1)
+    for layer in prof.layers:  # options inside it, none selective of its own
+        assert any(o.startswith("inside#") for o in layer.options) and "selective" not in layer.options, layer
+    assert {name: sorted(options) for name, options in prof.parts.items()} == {
+        "0.a": ["full", "keep"], "0.b": ["full", "keep", "selective"],
+        "1.a": ["full", "keep"], "1.b": ["full", "keep", "selective"]}
+    plain = pairs()
+    plain(x).pow(2).sum().backward()
+    model = pairs()
+    apply_config(model, make_config(layers=["0", "1"], mode="auto", budget="min"), forward=lambda: model(x).pow(2).sum())
+    model(x).pow(2).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))

@@ -496,7 +496,8 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     if not timed:
         return _with_inside(measured)
     timed_parts = {name: list(options) for name, options in parts.items() if len(options) > 1}
-    offered = [o for o in OPTIONS if any(o in layer.options for layer in measured.layers)] or list(OPTIONS)
+    measured_options = [*(layer.options for layer in measured.layers), *parts.values()]
+    offered = [o for o in OPTIONS if any(o in options for options in measured_options)]
     with cache_warnings_silenced():
         times = measure_layer_times(model, names, forward, {o: treatment(o) for o in offered},
                                     compiled={o: b for o, b in (compiled or {}).items() if o in offered},
@@ -569,7 +570,8 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
             break
         if not level:
             break
-        recorders, flops = {o: r for o, (r, _) in steps.items()}, {o: f for o, (_, f) in steps.items()}
+        recorders, flops = {o: r for o, (r, _, _) in steps.items()}, {o: f for o, (_, f, _) in steps.items()}
+        lacking = {o: parts_out for o, (_, _, parts_out) in steps.items()}  # option -> parts that cannot run it
         kept = {o: r.analyse()[0] for o, r in recorders.items()}
         keep = recorders["keep"]
         held = max(r.late_alive for r in recorders.values())  # the loss: alive in backward, where a recomputation runs
@@ -587,8 +589,8 @@ def _measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any
                                                         r.unit_recompute.get((part, 0), 0)))
                            for o, r in recorders.items()}
                 plain = options["keep"]
-                parts[part] = {o: c for o, c in options.items()
-                               if o == "keep" or c.kept_bytes < plain.kept_bytes or c.running_bytes < plain.running_bytes}
+                parts[part] = {o: c for o, c in options.items() if o == "keep" or part not in lacking[o] and (
+                               c.kept_bytes < plain.kept_bytes or c.running_bytes < plain.running_bytes)}
                 forward_running[part] = recorders["full"].unit_forward.get((part, 0), 0)
         levels.append([part for part in level if part in parts])
     return parts, chains
@@ -633,7 +635,7 @@ def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[st
 
 
 def _step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str,
-                        mode: Any) -> tuple[_Recorder, set[str]]:
+                        mode: Any, around: list[str] = ()) -> tuple[_Recorder, set[str]]:
     """:func:`_step` with every candidate under ``option`` that can run under it; the others, kept.
 
     A selective policy cannot run where the layer modifies in place an output the policy
@@ -641,12 +643,14 @@ def _step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[]
     ConvBERT's convolution output and Swin V2's ``addmm`` are written in place): the step
     names the first such layer, and every candidate of its class runs ``keep`` in a step
     again (one class runs one forward). Returns the recorder and the layers left out.
+    ``around``: as for :func:`_step` (the candidates are parts of layers).
     """
     modules = dict(model.named_modules())
     chosen = dict.fromkeys(names, option)
     while True:
         try:
-            return _step(model, names, forward, chosen, fake=mode), {n for n, o in chosen.items() if o != option}
+            return (_step(model, names, forward, chosen, fake=mode, around=around),
+                    {n for n, o in chosen.items() if o != option})
         except SavedOutputModified as err:
             if err.module not in chosen or chosen[err.module] != option:
                 raise
@@ -656,12 +660,13 @@ def _step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[]
 
 
 def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any], mode: Any,
-                 around: list[str], keep: _Recorder) -> dict[str, tuple[_Recorder, dict[str, int]]]:
-    """Option -> (the memory step's recorder, recomputed FLOPs by part) with every part of ``level`` under it;
-    ``keep``'s memory step is given (it ran first, to find the parts called twice)."""
-    stepped = {o: keep if o == "keep" else _step(model, level, forward, o, fake=mode, around=around)
-               for o in PART_OPTIONS}
-    return {o: (r, dict(r.flops) if o != "keep" else {}) for o, r in stepped.items()}
+                 around: list[str], keep: _Recorder) -> dict[str, tuple[_Recorder, dict[str, int], set[str]]]:
+    """Option -> (the memory step's recorder, recomputed FLOPs by part, the parts that cannot run under it) with
+    every part of ``level`` under it where it runs; ``keep``'s memory step is given (it ran first, to find the
+    parts called twice)."""
+    stepped = {"keep": (keep, set())} | {o: _step_where_it_runs(model, level, forward, o, mode, around)
+                                         for o in PART_OPTIONS if o != "keep"}
+    return {o: (r, dict(r.flops) if o != "keep" else {}, lacking) for o, (r, lacking) in stepped.items()}
 
 
 def _with_inside(measured: Profile) -> Profile:
