@@ -105,3 +105,18 @@ def test_one_more_candidate_does_not_make_min_hold_more() -> None:
         assert _differences(plain, planned) == []
         peaks[layers] = planned.act_peak
     assert peaks[("BertLayer", "cls")] <= peaks[("BertLayer",)], peaks
+
+
+def test_the_zoo_command_prints_the_least_plan_measured(capsys: pytest.CaptureFixture) -> None:
+    """``python -m ckpt_tools.zoo --min``: beside the peaks, the step's peak with ``ckpt=auto``'s least plan (Funnel:
+    below full on its layers, above the forward's floor), bitwise, and the summary line counting it."""
+    from ckpt_tools.zoo.__main__ import main
+
+    assert main(["--min", "hf.funnel"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("hf.funnel"))
+    sizes = [float(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[u] for n, u in re.findall(r"([\d.]+) (B|KiB|MiB)", row)]
+    none, ours, floor, least = sizes  # Funnel has no checkpointing of its own: no "own" column
+    assert floor <= least < ours < none
+    assert abs(float(row.split()[-1]) - least / none) < 0.002 and "NOT BITWISE" not in row  # sizes printed rounded
+    assert "ckpt=auto ckpt.budget=min planned 1 of them (the others cannot run on fake tensors): bitwise on 1" in out

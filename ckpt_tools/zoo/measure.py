@@ -5,7 +5,8 @@ state: the first is compared (loss, every gradient, every buffer: bitwise with
 the run without checkpointing), the second measured by ``MemTracker``
 (``step_memory``; the first builds what a model builds lazily: rotary tables,
 masks). The library's own checkpointing is only measured: a no-grad forward
-stands in for its first step. The activation peak is README's "How we measure": each category's
+stands in for its first step. Asked (``least``), a fourth way: ``ckpt=auto`` with
+``ckpt.budget=min``, planned from the model's own training call. The activation peak is README's "How we measure": each category's
 maximum over the step, recomputation counted as activation. Beside them, the forward's own floor
 (``measure/floor.py``), which no way of checkpointing the model goes below.
 """
@@ -22,6 +23,7 @@ from torch import nn
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin._compat import hook_count
 from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import forward_floor
@@ -51,6 +53,8 @@ class ZooResult:
     restored: bool  # remove_checkpointing unwrapped what it wrapped: forwards and hooks as the plain model's
     mismatches: list[str] = field(default_factory=list)  # gradients/buffers/loss not bitwise equal
     floor: int | None = None  # the forward's own floor (measure/floor.py); None: the model cannot run on fake tensors
+    least: Run | None = None  # ckpt=auto with ckpt.budget=min on the chosen layers (measure(least=True)); None: not run
+    least_mismatches: list[str] = field(default_factory=list)
 
     @property
     def ours_over_own(self) -> float | None:
@@ -117,7 +121,21 @@ def _differences(a: Run, b: Run) -> list[str]:
     return out
 
 
-def measure(entry: ZooModel) -> ZooResult:
+def _least(entry: ZooModel) -> Run | None:
+    """A step with ``ckpt=auto``'s least peak planned (``ckpt.budget=min``, ``layers=auto``) from the model's own
+    training call; None where its forward cannot run on fake tensors (refused by name: ``NotFakeable``)."""
+    model = entry.build()
+    try:
+        plan = plan_for(model, make_config(layers="auto", mode="auto", budget="min"),
+                        lambda: entry.loss(model(**entry.batch())))
+    except NotFakeable:
+        return None
+    install(model, plan)
+    return _train(entry, model)
+
+
+def measure(entry: ZooModel, least: bool = False) -> ZooResult:
+    """``least``: also train with ``ckpt=auto``'s least peak (``ZooResult.least``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF's config notes and "use_cache=False" advice: known here
         plain = _cache_off(entry.build())
@@ -139,7 +157,9 @@ def measure(entry: ZooModel) -> ZooResult:
             theirs = entry.build()
             entry.own(theirs)
             own = _train(entry, theirs, compared=False)
-    return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours), floor)
+        planned = _least(entry) if least else None
+    return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours), floor,
+                     planned, _differences(none, planned) if planned else [])
 
 
 __all__ = ["Run", "ZooResult", "measure"]
