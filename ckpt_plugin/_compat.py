@@ -355,6 +355,19 @@ def is_mutable(op: Any) -> bool:
     return op._schema.is_mutable
 
 
+def written(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors one call of ``op`` writes into (its schema's ``Tensor(a!)`` arguments: ``self`` of an in-place
+    op, ``out=``); [] for a functional op."""
+    if not op._schema.is_mutable:
+        return []
+    found = []
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            found += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+    return found
+
+
 def argument(op: Any, args: tuple, kwargs: dict, name: str, missing: Any = None) -> Any:
     """Argument ``name`` of one call of ``op`` (its schema default if not passed; ``missing`` if none)."""
     for i, arg in enumerate(op._schema.arguments):

@@ -386,97 +386,115 @@ def test_the_summary_says_how_options_were_timed_even_without_a_predicted_ratio(
            "layer, eager)" in str(ratio)
 
 
-# ---------------------------------------------------------------------- a layer that writes a saved output in place
+# ---------------------------------------------------------------------- a saved output written after its layer
 
-class _ScoresInPlace(torch.nn.Module):
-    """Adds to its attention scores in place, as Hugging Face's Funnel does to its ``bmm`` scores."""
+class _Project(torch.nn.Module):
+    """Ends in a linear layer: ``selective`` saves the matmul whose output it returns."""
 
     def __init__(self) -> None:
         super().__init__()
         self.v = torch.nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 8) -> (B, T, 8)
-        scores = torch.bmm(x, x.transpose(1, 2))
-        scores.add_(1.0)  # selective saves the bmm's output: the recomputation would read it plus 1
-        return x + torch.bmm(scores.softmax(-1), torch.tanh(self.v(x)))
+        return self.v(torch.tanh(x))
 
 
-class _Scores(_ScoresInPlace):
+class _Scores(_Project):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # elementwise ops between the matmuls: selective keeps less
         return x + torch.bmm(torch.bmm(x, x.transpose(1, 2)).softmax(-1).exp().sigmoid(), torch.tanh(self.v(x)).exp())
 
 
-def _mixed() -> torch.nn.Sequential:
+class _Scaled(torch.nn.Module):
+    """Scales what each ``_Project`` returns in place: the output ``selective`` saved there, after its region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Project(), _Scores(), _Project(), _Scores()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i % 2 == 0:
+                x.mul_(1.5)
+        return x
+
+
+def _scaled() -> _Scaled:
     torch.manual_seed(0)
-    return torch.nn.Sequential(_ScoresInPlace(), _Scores(), _ScoresInPlace(), _Scores())
+    return _Scaled()
+
+
+X = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model(X).pow(2).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def test_auto_leaves_out_a_selective_option_a_layer_cannot_run_under() -> None:
-    """``selective`` saves the ``bmm`` that ``_ScoresInPlace`` then writes in place: asked for by name, it is an
-    error naming the layer; ``ckpt=auto`` profiles those layers without it (the others keep it) where it failed
-    before, and its plans train bitwise as without checkpointing."""
+    """``selective`` on ``_Project`` saves the matmul output its parent then scales in place: asked for by name, it
+    is an error naming the layer; ``ckpt=auto`` profiles those layers without it (the others keep it), and its
+    plans train bitwise as without checkpointing."""
     from ckpt_plugin.config.plan import apply_config
     from ckpt_plugin.config.schema import make_config
     from ckpt_plugin.engine.policies import SavedOutputModified
 
-    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
-    layers = ["0", "1", "2", "3"]
-
-    def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        model(x).pow(2).sum().backward()
-        return {n: p.grad for n, p in model.named_parameters()}
-
-    model = _mixed()
+    layers = [f"blocks.{i}" for i in range(4)]
+    model = _scaled()
     apply_checkpointing(model, layers=layers, mode="selective")
     with pytest.raises(SavedOutputModified, match=(
-            r"^selective checkpointing of 0 saved the output of aten.bmm.default and it was then modified in place")):
-        grads(model)
+            r"^selective checkpointing of blocks.2 saved the output of aten.\w+.default and it was then modified in "
+            r"place")):
+        _grads(model)  # backward reaches blocks.2 first
 
-    model = _mixed()
-    prof = profile(model, layers, lambda: model(x).pow(2).sum())
+    model = _scaled()
+    prof = profile(model, layers, lambda: model(X).pow(2).sum())
     assert {layer.name: sorted(layer.options) for layer in prof.layers} == {
-        "0": ["full", "keep", "selective_nb"], "1": ["full", "keep", "selective", "selective_nb"],
-        "2": ["full", "keep", "selective_nb"], "3": ["full", "keep", "selective", "selective_nb"]}
-    plain = grads(_mixed())
-    for budget in ("min", 0.7):  # a nest of regions over the four; three layers full (both run the timed profile)
-        model = _mixed()
+        "blocks.0": ["full", "keep"], "blocks.1": ["full", "keep", "selective", "selective_nb"],
+        "blocks.2": ["full", "keep"], "blocks.3": ["full", "keep", "selective", "selective_nb"]}
+    plain = _grads(_scaled())
+    for budget in ("min", 0.7):
+        model = _scaled()
         assert apply_config(model, make_config(layers=layers, mode="auto", budget=budget),
-                            forward=lambda: model(x).pow(2).sum())
-        got = grads(model)
+                            forward=lambda: model(X).pow(2).sum())
+        got = _grads(model)
         assert all(torch.equal(got[n], plain[n]) for n in plain), budget
 
 
 class _Pair(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = _ScoresInPlace(), _Scores()
+        self.a, self.b = _Project(), _Scores()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
+        h = self.a(x)
+        h.mul_(1.5)  # inside the pair's region: selective on the pair copies it first; after a's region
+        return self.b(h)
 
 
 def test_parts_that_cannot_run_selective_leave_the_others_candidates_inside_their_layer() -> None:
-    """One level down the same: the part that writes its saved ``bmm`` in place is profiled without ``selective``,
-    its sibling with it, and ``min`` plans inside the layers, bitwise."""
+    """One level down the same: the part whose saved output is written after it returns is profiled without
+    ``selective``, its sibling with it, and ``min`` plans inside the layers, bitwise. The layer itself, whose
+    own region holds the write, runs ``selective`` (the output is copied before it is written)."""
     from ckpt_plugin.config.plan import apply_config
     from ckpt_plugin.config.schema import make_config
-
-    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
 
     def pairs() -> torch.nn.Sequential:
         torch.manual_seed(0)
         return torch.nn.Sequential(_Pair(), _Pair())
 
     model = pairs()
-    prof = profile(model, ["0", "1"], lambda: model(x).pow(2).sum(), depth=1)
-    for layer in prof.layers:  # options inside it, none selective of its own
-        assert any(o.startswith("inside#") for o in layer.options) and "selective" not in layer.options, layer
+    prof = profile(model, ["0", "1"], lambda: model(X).pow(2).sum(), depth=1)
+    for layer in prof.layers:  # options inside it, and selective of its own
+        assert any(o.startswith("inside#") for o in layer.options) and "selective" in layer.options, layer
     assert {name: sorted(options) for name, options in prof.parts.items()} == {
         "0.a": ["full", "keep"], "0.b": ["full", "keep", "selective"],
         "1.a": ["full", "keep"], "1.b": ["full", "keep", "selective"]}
-    plain = pairs()
-    plain(x).pow(2).sum().backward()
-    model = pairs()
-    apply_config(model, make_config(layers=["0", "1"], mode="auto", budget="min"), forward=lambda: model(x).pow(2).sum())
-    model(x).pow(2).sum().backward()
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+    plain = _grads(pairs())
+    for mode in ("selective", "auto"):
+        model = pairs()
+        apply_config(model, make_config(layers=["0", "1"], mode=mode, **({"budget": "min"} if mode == "auto" else {})),
+                     forward=lambda: model(X).pow(2).sum())
+        got = _grads(model)
+        assert all(torch.equal(got[n], plain[n]) for n in plain), mode

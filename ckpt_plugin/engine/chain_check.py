@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckpt_plugin._compat import version
 from ckpt_plugin.engine.side_effects import without_cache
 from ckpt_plugin.errors import Problem
 
@@ -67,6 +68,7 @@ class Links:
         self.names = names
         self.index = -1  # the layer that returned last
         self.output: Any = None
+        self.version = 0  # the output's in-place write counter as it was returned
         self.rest: tuple[tuple, dict] = ((), {})  # the last layer's arguments after its first
 
     def took(self, args: tuple, kwargs: dict) -> None:
@@ -74,6 +76,7 @@ class Links:
 
     def returned(self, i: int, output: Any) -> None:
         self.index, self.output = i, output
+        self.version = version(output) if isinstance(output, torch.Tensor) else 0
 
     def release(self) -> None:
         """Drop the tensors held: kept until the next forward, they would keep this step's graph alive."""
@@ -87,6 +90,8 @@ class Links:
             return f"was called after {self.names[self.index]}" if self.index >= 0 else "was called first"
         if not args or args[0] is not self.output or not isinstance(args[0], torch.Tensor):
             return _instead(args[0] if args else None, self.output)
+        if version(args[0]) != self.version:  # the caller wrote into it (x.mul_(s)): a replay would not
+            return f"got that output written in place after {previous} returned it"
         if len(args) != len(rest) + 1:
             return f"got {len(args)} positional arguments, {previous} {len(rest) + 1}"
         if not same_arguments(args[1:], rest):

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 from ckpt_plugin._compat import TorchDispatchMode, argument as _argument, is_mutable as _is_mutable
+from ckpt_plugin._compat import storage_key as _storage_key, written as _written
 from ckpt_plugin._compat import outer_saved_tensors_hooks as _outer_saved_tensors_hooks, version as _version
 
 
@@ -279,9 +280,10 @@ class SelectivePolicy:
         keep = self.saves(op, args, kwargs, record=not getattr(ctx, "is_recompute", False))
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def context_fn(self) -> tuple[TorchDispatchMode, TorchDispatchMode]:
-        """(forward, recompute) contexts for one checkpointed call; give it to ``checkpoint``."""
-        region = _Region(self)
+    def context_fn(self, module: str | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+        """(forward, recompute) contexts for one checkpointed call; give it to ``checkpoint``.
+        ``module``: the name of the module checkpointed, for errors."""
+        region = _Region(self, module)
         return _SaveMode(region), _ReplayMode(region)
 
     def check_names(self) -> None:
@@ -311,9 +313,9 @@ def make_policy(policy: Any, *, save_names: Any = None, exclude_names: Any = Non
 # ---------------------------------------------------------------------- the two modes
 
 class SavedOutputModified(RuntimeError):
-    """A selective policy saved an op's output that was then modified in place: the recomputation would
-    read the modified value. ``op``: that op; ``module``: the checkpointed module whose forward saved it,
-    where known (``wrap.CheckpointedForward`` names it as the error leaves the forward)."""
+    """A selective policy saved an op's output that was then modified in place after the region returned it: the
+    recomputation would read the modified value. ``op``: that op; ``module``: the name of the checkpointed module
+    whose forward saved it, where known (``wrap.CheckpointedForward`` gives it)."""
 
     def __init__(self, op: Any, module: str | None = None) -> None:
         self.op, self.module = op, module
@@ -324,42 +326,56 @@ class SavedOutputModified(RuntimeError):
             f"value. Make that op out-of-place, or leave {op} out of ckpt.policy."
         )
 
-    def within(self, module: str) -> SavedOutputModified:
-        """This error, naming ``module``."""
-        return SavedOutputModified(self.op, module)
-
-
-def _mutated(op: Any) -> SavedOutputModified:
-    return SavedOutputModified(op)
-
 
 class _Saved:
-    """One saved output: packed by the caller's hooks if any, else kept as a detached alias."""
+    """One saved output: packed by the caller's hooks if any, else kept as a detached alias.
 
-    __slots__ = ("op", "tensor", "version", "packed", "unpack")
+    An op of the region about to write into it (``scores.add_(mask)``, through a view
+    too) makes it keep a copy of its value first (``before_write``): the recomputation
+    hands that back, and the same write runs on it again. A write after the region
+    (the region returned it) cannot be seen coming: ``value`` refuses it, naming the op
+    and the module (``SavedOutputModified``).
+    """
 
-    def __init__(self, op: Any, out: torch.Tensor, hooks: tuple[Any, Any] | None) -> None:
-        self.op, self.version = op, _version(out)
+    __slots__ = ("op", "module", "tensor", "version", "packed", "pack", "unpack")
+
+    def __init__(self, op: Any, out: torch.Tensor, hooks: tuple[Any, Any] | None, module: str | None) -> None:
+        self.op, self.module, self.version = op, module, _version(out)
         # The op's own output until the forward ends: beneath autograd, a detached tensor
         # gets a version counter of its own and would miss in-place writes to the output.
         self.tensor: torch.Tensor | None = out
-        self.packed, self.unpack = (hooks[0](out.detach()), hooks[1]) if hooks else (None, None)
+        self.pack, self.unpack = hooks if hooks else (None, None)
+        self.packed = self.pack(out.detach()) if self.pack else None
+
+    def _aliased(self, out: torch.Tensor) -> bool:
+        """Whether the hook kept the output itself (a counter's), not a copy (offload's)."""
+        return isinstance(self.packed, torch.Tensor) and _storage_key(self.packed) == _storage_key(out)
+
+    def before_write(self) -> None:
+        """An op of the region is about to write into the output: keep its value as it is now (a hook's copy
+        has it already). A counter's hook then counts both the output and the copy: our own byte counts,
+        not MemTracker's, take this rare layer as keeping one output more."""
+        if self.pack is not None and not self._aliased(self.tensor):
+            self.version = -1  # the copy stands alone: nothing to compare
+            return
+        kept = self.tensor.detach().clone()
+        self.tensor, self.version = kept, _version(kept)
+        self.packed = self.pack(kept.detach()) if self.pack else None
 
     def end_of_forward(self) -> None:
         out = self.tensor
-        # Let go of the output's autograd history, which would hold the region in a cycle.
-        # Packed: later writes cannot reach the packed copy. Otherwise a detached alias,
-        # made outside dispatch, shares the output's version counter.
-        self.tensor = None if self.unpack is not None else out.detach()
-        if _version(out) != self.version:
-            raise _mutated(self.op)
+        # Let go of the output's autograd history, which would hold the region in a cycle. A detached
+        # alias, made outside dispatch, shares the output's version counter (one made beneath autograd,
+        # as the hook got it, has its own): kept unpacked, or where the hook kept the output itself (a
+        # counter's), whose writes would reach it. A hook's copy (offload's) stands for it alone.
+        self.tensor = out.detach() if self.unpack is None or self._aliased(out) else None
+        if self.version >= 0 and _version(out) != self.version:
+            raise SavedOutputModified(self.op, self.module)
 
     def value(self) -> torch.Tensor:
-        if self.unpack is not None:
-            return self.unpack(self.packed)
-        if _version(self.tensor) != self.version:
-            raise _mutated(self.op)
-        return self.tensor
+        if self.tensor is not None and _version(self.tensor) != self.version:
+            raise SavedOutputModified(self.op, self.module)
+        return self.unpack(self.packed) if self.unpack is not None else self.tensor
 
 
 def _map(fn: Any, out: Any) -> Any:
@@ -370,21 +386,36 @@ def _map(fn: Any, out: Any) -> Any:
 class _Region:
     """One checkpointed call: the outputs its forward saved, keyed by (op, n-th call of op)."""
 
-    def __init__(self, policy: SelectivePolicy) -> None:
-        self.policy = policy
+    def __init__(self, policy: SelectivePolicy, module: str | None = None) -> None:
+        self.policy, self.module = policy, module  # module: the checkpointed module's name, for errors
         # context_fn runs before checkpoint installs its own hooks: these are the caller's.
         self.hooks = _outer_saved_tensors_hooks()
         self.saved: dict[tuple[Any, int], Any] = {}
         self.fresh: list[_Saved] = []  # saved by the forward running now
+        self.unwritten: dict[Any, list[_Saved]] = {}  # storage -> those of fresh still as the op wrote them
 
     def save(self, key: tuple[Any, int], out: Any) -> None:
         def one(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
                 return t
-            self.fresh.append(_Saved(key[0], t, self.hooks))
-            return self.fresh[-1]
+            saved = _Saved(key[0], t, self.hooks, self.module)
+            self.fresh.append(saved)
+            self.unwritten.setdefault(_storage_key(t), []).append(saved)
+            return saved
 
         self.saved[key] = _map(one, out)
+
+    def before(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """``func`` is about to run: the saved outputs it writes into keep their values first."""
+        if self.unwritten:
+            for t in _written(func, args, kwargs):
+                for saved in self.unwritten.pop(_storage_key(t), ()):
+                    saved.before_write()
+
+    def end_of_forward(self) -> list[_Saved]:
+        """The outputs the forward saved, now that it has ended (each to let go of the output)."""
+        fresh, self.fresh, self.unwritten = self.fresh, [], {}
+        return fresh
 
 
 class _RegionMode(TorchDispatchMode):
@@ -412,6 +443,7 @@ class _SaveMode(_RegionMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self.region.before(func, args, kwargs)
         out = func(*args, **kwargs)
         if func not in _UNCOUNTED:
             key = self.key(func)
@@ -421,9 +453,8 @@ class _SaveMode(_RegionMode):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        fresh, self.region.fresh = self.region.fresh, []
         errors = []
-        for saved in fresh:  # every one lets go of its output, even past an error
+        for saved in self.region.end_of_forward():  # every one lets go of its output, even past an error
             try:
                 saved.end_of_forward()
             except RuntimeError as err:

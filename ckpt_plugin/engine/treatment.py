@@ -51,12 +51,14 @@ class Treatment:
             return contextlib.nullcontext()
         return offloading()
 
-    def context_fn(self, stats: list, label: str | None = None) -> Callable[[], tuple] | None:
+    def context_fn(self, stats: list, label: str | None = None, name: str | None = None,
+                   ) -> Callable[[], tuple] | None:
         """``checkpoint``'s context_fn, or None when plain ``checkpoint`` would do the same.
 
         Eager: the policy's contexts, the BatchNorm fix and, when ``label`` names
         the module (``"blocks.1 (TransformerBlock)"``), the check that its
         recomputation saves what its forward saved; while torch.compile traces, torch's modes.
+        ``name``: the module's qualified name, which the policy's errors give.
 
         The choice is made when checkpoint calls it, not when dynamo traces the wrapped
         forward: a graph break inside the module makes dynamo run that checkpoint call
@@ -64,17 +66,17 @@ class Treatment:
         """
         if self.policy is None and not stats and label is None:
             return None
-        return _Contexts(_contexts, self.policy, _Eager(stats, label))
+        return _Contexts(_contexts, self.policy, _Eager(stats, label, name))
 
 
 class _Eager:
-    """What only the eager contexts need: the BatchNorm statistics to keep, the label of the check.
+    """What only the eager contexts need: the BatchNorm statistics to keep, the label of the check, the name errors give.
 
     An object, not a list: dynamo takes a partial's arguments as constants, and a list of
     tensors is none (it broke the graph at the checkpoint, which then ran eagerly)."""
 
-    def __init__(self, stats: list, label: str | None) -> None:
-        self.stats, self.label = stats, label
+    def __init__(self, stats: list, label: str | None, name: str | None = None) -> None:
+        self.stats, self.label, self.name = stats, label, name
 
 
 def _contexts(policy: Any, eager: _Eager) -> tuple[Any, Any]:
@@ -82,7 +84,7 @@ def _contexts(policy: Any, eager: _Eager) -> tuple[Any, Any]:
     if tracing_for_compile():
         return _compiled_contexts(policy)
     stats, label = eager.stats, eager.label
-    forward, recompute = policy.context_fn() if policy else (contextlib.nullcontext(),) * 2
+    forward, recompute = policy.context_fn(eager.name) if policy else (contextlib.nullcontext(),) * 2
     fwd, rec = [lambda: forward], [lambda: recompute, lambda: keep_running_stats(stats)]
     if label is not None:
         record = CallRecord(label, stats)  # one per call: a module may run several times per step

@@ -57,7 +57,6 @@ from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
 from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of
 from ckpt_plugin.engine.chain_check import check_chain
 from ckpt_plugin.engine.plan import Segments, WrapPlan
-from ckpt_plugin.engine.policies import SavedOutputModified
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
@@ -94,8 +93,8 @@ class CheckpointedForward:
         self.compiled = compiled
         self.label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
-        self._context_fn = treatment.context_fn(self._stats)  # None: nothing of ours runs in the call
-        self._checked_context_fn = treatment.context_fn(self._stats, self.label)
+        self._context_fn = treatment.context_fn(self._stats, name=name)  # None: nothing of ours runs in the call
+        self._checked_context_fn = treatment.context_fn(self._stats, self.label, name=name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
@@ -130,13 +129,7 @@ class CheckpointedForward:
                 # on a mismatch: it replaces our check rather than fail.
                 context_fn = None
         options = {"context_fn": context_fn} if context_fn else {}
-        try:
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
-        except SavedOutputModified as err:
-            # Found as the forward ends: say which module (ckpt=auto then profiles it without the option).
-            if err.module or not self.name:
-                raise
-            raise err.within(self.name) from None
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 
 
 def wrapped_modules(model: nn.Module) -> list[str]:
