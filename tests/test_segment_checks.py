@@ -217,6 +217,51 @@ def test_the_sample_check_and_the_step_check_are_one_check() -> None:
             layers="Pairs", segments=1)
 
 
+class Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # ends in the linear layer: nothing saves its output
+        return self.fc(torch.tanh(x))
+
+
+class ScaledInPlace(nn.Module):
+    """Scales each layer's output in place before the next takes it: the same tensor, another value. A segment's
+    recomputation replays the layers alone, without the scaling, so its gradients would be wrong."""
+
+    def __init__(self, sample: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Projection() for _ in range(3))
+        self.example_input_array = torch.zeros(2, 4) if sample else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            x.mul_(0.5)
+        return x
+
+
+def test_an_output_written_in_place_before_the_next_layer_takes_it_is_refused() -> None:
+    got = "got that output written in place after blocks.0 returned it"
+    refused(ScaledInPlace(), not_a_chain("blocks.1", "blocks.0", got, "ScaledInPlace", NO),
+            layers="Projection", segments=1)
+    model = ScaledInPlace(sample=False)
+    apply_checkpointing(model, layers="Projection", segments=1)
+    with pytest.raises(RuntimeError, match="^" + re.escape(
+            f"ckpt.segments: blocks.1 did not take blocks.0's output as its one input (it {got}), so these layers "
+            "are not a chain")):
+        model(torch.zeros(2, 4, requires_grad=True))
+    remove_checkpointing(model)
+    apply_checkpointing(model, layers="Projection")  # each layer on its own: exact
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    model(x).sum().backward()
+    plain = ScaledInPlace(sample=False)
+    plain(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True))
+
+
 def test_the_callback_refuses_at_setup_before_configure_optimizers(tmp_path: Path) -> None:
     model = PairNet()
     trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,

@@ -19,8 +19,9 @@ no ILP solver (torch's ``_tools/sac_ilp.py`` needs pulp) and no
 theirs) are measured and timed the same way, level by level, and become more
 options of their layer (``inside.py``): checkpointed inside it, so that a
 budget under what ``full`` on a layer reaches can be met. A layer that cannot
-run under a selective option (it writes in place an output the policy saves:
-``policies.SavedOutputModified``) is profiled, timed and planned without it.
+run under a selective option (its caller writes in place into an output the
+policy saved: ``policies.SavedOutputModified``) is profiled, timed and planned
+without it.
 
 The peak model (``planner.py``), in activation bytes as MemTracker counts them
 (storages made by ops in forward, or by recomputation in backward), with the
@@ -638,11 +639,11 @@ def _step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[]
                         mode: Any, around: list[str] = ()) -> tuple[_Recorder, set[str]]:
     """:func:`_step` with every candidate under ``option`` that can run under it; the others, kept.
 
-    A selective policy cannot run where the layer modifies in place an output the policy
-    saves (``policies.SavedOutputModified``: Funnel's attention adds to its ``bmm`` scores,
-    ConvBERT's convolution output and Swin V2's ``addmm`` are written in place): the step
-    names the first such layer, and every candidate of its class runs ``keep`` in a step
-    again (one class runs one forward). Returns the recorder and the layers left out.
+    A selective policy cannot run where an output it saves is written in place after the
+    layer returned it (``policies.SavedOutputModified``: a parent's ``x.mul_(scale)`` on a
+    layer ending in a linear; writes inside the layer are copied before, ``policies.py``):
+    the step names the first such layer, and every candidate of its class runs ``keep`` in
+    a step again (one class runs one forward). Returns the recorder and the layers left out.
     ``around``: as for :func:`_step` (the candidates are parts of layers).
     """
     modules = dict(model.named_modules())

@@ -179,8 +179,8 @@ def _encoders(hf: Any) -> list[ZooModel]:
         # one layer's weights shared across depth: the same module runs num_hidden_layers times; no own checkpointing
         _entry("albert", "encoder", ("AlbertLayer",), encoder_batch, lambda: hf.AlbertForMaskedLM(
             hf.AlbertConfig(**sizes, embedding_size=16)), own=False),
-        # the output of a convolution (ConvBERT) and the bmm attention scores (Funnel) written in place: no
-        # selective policy that saves them can run there; Funnel pools between blocks and has no own checkpointing
+        # a convolution's output (ConvBERT) and the bmm attention scores (Funnel) written in place inside the
+        # layer: what selective saves of them is copied before the write; Funnel has no checkpointing of its own
         _entry("convbert", "encoder", ("ConvBertLayer",), encoder_batch, lambda: hf.ConvBertForMaskedLM(
             hf.ConvBertConfig(**sizes, embedding_size=32))),
         _entry("funnel", "encoder", ("FunnelLayer",), classify, lambda: hf.FunnelForSequenceClassification(
@@ -253,7 +253,7 @@ def _vision(hf: Any) -> list[ZooModel]:
                    num_encoder_blocks=2, depths=[2, 2], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
                    strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[4, 4], decoder_hidden_size=32,
                    num_labels=4))),
-        # Swin V2 checkpoints its stages, not its layers; its attention's addmm output is written in place
+        # Swin V2 checkpoints its stages, not its layers; an addmm output of its attention is written in place
         _entry("swinv2", "vision", ("Swinv2Stage",), image_batch, lambda: hf.Swinv2ForImageClassification(
             hf.Swinv2Config(image_size=PIXELS, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
                             window_size=4, num_labels=2))),
