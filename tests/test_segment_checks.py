@@ -204,15 +204,20 @@ class PairNet(pl.LightningModule):
 PAIRS = {"later": "blocks.1", "earlier": "blocks.0", "got": "got item 0 of that output, a tuple of 2"}
 
 
-def test_the_sample_check_and_the_step_check_are_one_check() -> None:
-    """Without a sample the first forward raises; with one, apply does, naming the same break."""
-    model = PairNet(sample=False)
-    apply_checkpointing(model, layers="Pairs", segments=1)
+def first_step_refused(model: nn.Module, layers: str, got: str) -> None:
+    """Segments over ``layers`` of ``model`` (no sample): the first forward raises, naming how blocks.1 broke the
+    chain; then unwrapped."""
+    apply_checkpointing(model, layers=layers, segments=1)
     with pytest.raises(RuntimeError, match="^" + re.escape(
-            f"ckpt.segments: blocks.1 did not take blocks.0's output as its one input (it {PAIRS['got']}), so these "
-            "layers are not a chain")):
+            f"ckpt.segments: blocks.1 did not take blocks.0's output as its one input (it {got}), so these layers "
+            "are not a chain")):
         model(torch.zeros(2, 4, requires_grad=True))
     remove_checkpointing(model)
+
+
+def test_the_sample_check_and_the_step_check_are_one_check() -> None:
+    """Without a sample the first forward raises; with one, apply does, naming the same break."""
+    first_step_refused(PairNet(sample=False), "Pairs", PAIRS["got"])
     refused(PairNet(), not_a_chain(**PAIRS, model="PairNet", fix=NO),
             layers="Pairs", segments=1)
 
@@ -248,12 +253,7 @@ def test_an_output_written_in_place_before_the_next_layer_takes_it_is_refused() 
     refused(ScaledInPlace(), not_a_chain("blocks.1", "blocks.0", got, "ScaledInPlace", NO),
             layers="Projection", segments=1)
     model = ScaledInPlace(sample=False)
-    apply_checkpointing(model, layers="Projection", segments=1)
-    with pytest.raises(RuntimeError, match="^" + re.escape(
-            f"ckpt.segments: blocks.1 did not take blocks.0's output as its one input (it {got}), so these layers "
-            "are not a chain")):
-        model(torch.zeros(2, 4, requires_grad=True))
-    remove_checkpointing(model)
+    first_step_refused(model, "Projection", got)
     apply_checkpointing(model, layers="Projection")  # each layer on its own: exact
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
     model(x).sum().backward()
