@@ -364,7 +364,8 @@ def written(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     for i, arg in enumerate(op._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            found += [t for t in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(t, torch.Tensor)]
+            values = value if isinstance(value, (list, tuple)) else [value]
+            found += [t for t in values if isinstance(t, torch.Tensor)]
     return found
 
 

@@ -70,7 +70,8 @@ class Treatment:
 
 
 class _Eager:
-    """What only the eager contexts need: the BatchNorm statistics to keep, the label of the check, the name errors give.
+    """What only the eager contexts need: the BatchNorm statistics to keep, the label of the check, the module's name
+    (for errors).
 
     An object, not a list: dynamo takes a partial's arguments as constants, and a list of
     tensors is none (it broke the graph at the checkpoint, which then ran eagerly)."""

@@ -407,8 +407,9 @@ class ProfileCache:
     """
 
     timings: TimingCache = field(default_factory=dict)
-    steps: dict[tuple[tuple[str, ...], bool],
-                tuple[dict[str, _Recorder], dict[str, dict[str, int]], dict[str, set[str]]]] = field(default_factory=dict)
+    # (names, fake) -> (recorder by option, FLOPs by option and layer, options by layer it cannot run under)
+    steps: dict[tuple[tuple[str, ...], bool], tuple[dict[str, _Recorder], dict[str, dict[str, int]],
+                                                    dict[str, set[str]]]] = field(default_factory=dict)
 
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,

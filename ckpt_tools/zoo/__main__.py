@@ -1,4 +1,4 @@
-"""``python -m ckpt_tools.zoo [--min] [NAME ...]``: what ``layers=auto`` chose on each zoo model, and its activation peak.
+"""``python -m ckpt_tools.zoo [--min] [NAME ...]``: what ``layers=auto`` chose on each zoo model, its activation peak.
 
 Prints, per model: the classes chosen, the modules wrapped, whether loss,
 gradients and buffers are bitwise those without checkpointing, and the

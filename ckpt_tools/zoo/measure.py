@@ -6,8 +6,9 @@ the run without checkpointing), the second measured by ``MemTracker``
 (``step_memory``; the first builds what a model builds lazily: rotary tables,
 masks). The library's own checkpointing is only measured: a no-grad forward
 stands in for its first step. Asked (``least``), a fourth way: ``ckpt=auto`` with
-``ckpt.budget=min``, planned from the model's own training call. The activation peak is README's "How we measure": each category's
-maximum over the step, recomputation counted as activation. Beside them, the forward's own floor
+``ckpt.budget=min``, planned from the model's own training call. The activation
+peak is README's "How we measure": each category's maximum over the step,
+recomputation counted as activation. Beside them, the forward's own floor
 (``measure/floor.py``), which no way of checkpointing the model goes below.
 """
 
