@@ -191,6 +191,20 @@ def test_budget_min_looks_past_a_plan_inside_a_layer_that_measures_more_than_pre
     assert chosen.predicted_peak == chosen.budget_bytes == 160 and not chosen.peak_measured
 
 
+def test_a_budget_the_least_plan_meets_is_never_refused() -> None:
+    """The cheapest plan for 170 B goes inside ``a`` (predicted 120 B) and measures 200 B: its estimate is charged
+    and the plan that fits comes back (``a`` full, 160 B, exact). Below that least plan, the refusal names it."""
+    part = (Part("a.x", "full", 0, 10),)
+    layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 160, 0.002),
+                                 "inside#1": Cost(20, 10, 120, 0.001, part)}),
+              LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
+    profile_ = Profile(layers, 0, 0, no_ckpt_peak=10**6, measure=lambda chosen: 200)  # every plan with a part in it
+    chosen = profile_.plan(170)
+    assert chosen.choices == {"a": "full", "b": "keep"} and chosen.predicted_peak == 160 and chosen.budget_bytes == 170
+    with pytest.raises(ValueError, match=r"ckpt.budget: 150 bytes .* the smallest peak reachable is 160 bytes"):
+        profile_.plan(150)
+
+
 # ---------------------------------------------------------------------- the real GPT
 
 @pytest.fixture(scope="module")

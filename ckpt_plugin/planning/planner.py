@@ -116,16 +116,19 @@ class Profile:
         the parts of the example models; elsewhere a part's bytes may be shared
         with its layer's own ops in ways no single number describes. So a plan
         that goes inside a layer is measured (``measure``), and when it holds
-        more than the budget, planned again for as much less, a few times.
+        more than the budget, the options inside layers it took are charged what
+        it held beyond its prediction (as :meth:`least` does) and it is planned
+        again, a few times. Then the least plan stands in, if it fits: a budget
+        that ``ckpt.budget=min``'s plan meets is never refused (Hugging Face's
+        CodeGen had 0.5 refused as "smallest reachable 0.50" while ``min`` held
+        0.34, 2026-11-27: each try had lowered the target, not the estimate).
         """
-        target, measured = budget_bytes, []
+        layers, measured = self.layers, []
         for _ in range(_TRIES):
             try:
-                chosen = plan(self.layers, self.rest_bytes, target, rest_running=self.rest_running,
+                chosen = plan(layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
                               reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
-            except ValueError:
-                if not measured:
-                    raise
+            except ValueError:  # none predicted to fit: the least plan may measure less than predicted
                 break
             chosen = replace(chosen, budget_bytes=budget_bytes, timed_as=self.timed_as)
             if self.measure is None or len(chosen.choices) == len(self.layers):  # nothing inside: the model is exact
@@ -134,8 +137,11 @@ class Profile:
             if peak <= budget_bytes:
                 return replace(chosen, predicted_peak=peak, peak_measured=True)
             measured.append(peak)
-            target -= peak - budget_bytes
-        raise ValueError(unreachable(budget_bytes, min(measured), self.no_ckpt_peak))
+            layers = _held_more(layers, chosen.keys, max(peak - chosen.predicted_peak, 1))
+        least = self.least()
+        if least.predicted_peak <= budget_bytes:
+            return replace(least, budget_bytes=budget_bytes)
+        raise ValueError(unreachable(budget_bytes, min(measured + [least.predicted_peak]), self.no_ckpt_peak))
 
     def least(self) -> Plan:
         """``ckpt.budget=min``: the cheapest plan among those of the least predicted peak, its peak measured
@@ -233,7 +239,7 @@ class Plan:
         return "\n".join(lines)
 
 
-_TRIES = 4  # plans measured for one budget, each planned for less by what the last held over
+_TRIES = 4  # plans measured for one budget, each planned with what the last held over its prediction charged
 
 
 def unreachable(budget_bytes: int, smallest: int, reference: int) -> str:
