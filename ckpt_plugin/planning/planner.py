@@ -121,7 +121,7 @@ class Profile:
         again, a few times. Then the least plan stands in, if it fits: a budget
         that ``ckpt.budget=min``'s plan meets is never refused (Hugging Face's
         CodeGen had 0.5 refused as "smallest reachable 0.50" while ``min`` held
-        0.34, 2026-11-27: each try had lowered the target, not the estimate).
+        0.32, 2026-11-27: each try had lowered the target, not the estimate).
         """
         layers, measured = self.layers, []
         for _ in range(_TRIES):
