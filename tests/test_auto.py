@@ -180,6 +180,8 @@ def test_budget_min_looks_past_a_plan_inside_a_layer_that_measures_more_than_pre
     measured = []
 
     def measure(chosen) -> int:
+        if len(chosen.choices) == 2:  # the layers' own options: the model is exact
+            return chosen.predicted_peak
         measured.append(dict(chosen.choices))
         return 200  # every plan with a part in it
 
@@ -198,11 +200,30 @@ def test_a_budget_the_least_plan_meets_is_never_refused() -> None:
     layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 160, 0.002),
                                  "inside#1": Cost(20, 10, 120, 0.001, part)}),
               LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
-    profile_ = Profile(layers, 0, 0, no_ckpt_peak=10**6, measure=lambda chosen: 200)  # every plan with a part in it
+    profile_ = Profile(layers, 0, 0, no_ckpt_peak=10**6,  # 200 B: every plan with a part in it; others exact
+                       measure=lambda chosen: 200 if len(chosen.choices) > 2 else chosen.predicted_peak)
     chosen = profile_.plan(170)
     assert chosen.choices == {"a": "full", "b": "keep"} and chosen.predicted_peak == 160 and chosen.budget_bytes == 170
     with pytest.raises(ValueError, match=r"ckpt.budget: 150 bytes .* the smallest peak reachable is 160 bytes"):
         profile_.plan(150)
+
+
+def test_a_plan_of_the_layers_own_options_that_measures_over_the_budget_is_not_taken() -> None:
+    """The peak model is exact on the example models' layers, not on every model (Hugging Face's Funnel pools
+    between its layers): the cheapest plan for 215 B, every layer kept, is predicted to hold 200 B and measures
+    230 B; the plan that comes back is measured to fit."""
+    layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 120, 0.002)}),
+              LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
+    measured = {}
+
+    def measure(chosen) -> int:
+        peak = 230 if set(chosen.choices.values()) == {"keep"} else chosen.predicted_peak
+        measured[tuple(chosen.choices.values())] = peak
+        return peak
+
+    chosen = Profile(layers, 0, 0, no_ckpt_peak=10**6, measure=measure).plan(215)
+    assert measured[("keep", "keep")] == 230
+    assert "full" in chosen.choices.values() and measured[tuple(chosen.choices.values())] == chosen.predicted_peak <= 215
 
 
 # ---------------------------------------------------------------------- the real GPT

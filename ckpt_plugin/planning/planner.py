@@ -131,17 +131,29 @@ class Profile:
             except ValueError:  # none predicted to fit: the least plan may measure less than predicted
                 break
             chosen = replace(chosen, budget_bytes=budget_bytes, timed_as=self.timed_as)
-            if self.measure is None or len(chosen.choices) == len(self.layers):  # nothing inside: the model is exact
+            if self.measure is None:
                 return chosen
-            peak = self.measure(chosen)
-            if peak <= budget_bytes:
-                return replace(chosen, predicted_peak=peak, peak_measured=True)
+            peak, inside = self.measure(chosen), len(chosen.choices) > len(self.layers)
+            if peak <= budget_bytes:  # said measured where the model is not exact for it, or was not
+                exact = not inside and peak == chosen.predicted_peak
+                return chosen if exact else replace(chosen, predicted_peak=peak, peak_measured=True)
             measured.append(peak)
-            layers = _held_more(layers, chosen.keys, max(peak - chosen.predicted_peak, 1))
+            charged = _held_more(layers, chosen.keys, max(peak - chosen.predicted_peak, 1), inside_only=inside)
+            if charged == layers:  # nothing to charge (every layer kept): planned again, it would come back
+                break
+            layers = charged
         least = self.least()
         if least.predicted_peak <= budget_bytes:
             return replace(least, budget_bytes=budget_bytes)
         raise ValueError(unreachable(budget_bytes, min(measured + [least.predicted_peak]), self.no_ckpt_peak))
+
+    def _measured(self, chosen: Plan) -> Plan:
+        """``chosen`` (one of the layers' own options each) with its peak measured where that differs from the
+        model's (the model is exact on the example models; not on every model: Funnel pools between layers)."""
+        if self.measure is None:
+            return chosen
+        peak = self.measure(chosen)
+        return chosen if peak == chosen.predicted_peak else replace(chosen, predicted_peak=peak, peak_measured=True)
 
     def least(self) -> Plan:
         """``ckpt.budget=min``: the cheapest plan among those of the least predicted peak, its peak measured
@@ -161,7 +173,8 @@ class Profile:
                           rest_running=self.rest_running, reference_peak=self.no_ckpt_peak,
                           none_seconds=self.none_seconds)
             chosen = replace(chosen, timed_as=self.timed_as)
-            if self.measure is None or len(chosen.choices) == len(self.layers):  # nothing inside: exact
+            if self.measure is None or len(chosen.choices) == len(self.layers):  # nothing inside: exact, or measured
+                chosen = self._measured(chosen)
                 if best is None or chosen.predicted_peak < best.predicted_peak:
                     best = chosen
                 break
@@ -175,10 +188,16 @@ class Profile:
         return replace(best, budget_bytes=best.predicted_peak)
 
 
-def _held_more(layers: list[LayerProfile], keys: tuple[str, ...], more: int) -> list[LayerProfile]:
+def _held_more(layers: list[LayerProfile], keys: tuple[str, ...], more: int,
+               inside_only: bool = True) -> list[LayerProfile]:
     """``layers`` with each option inside a layer that ``keys`` chose (one per layer) running on ``more`` bytes:
-    what a measured plan held beyond its prediction, charged to the options the model is not exact for."""
-    return [LayerProfile(layer.name, {o: replace(c, running_bytes=c.running_bytes + more) if o == key and c.parts
+    what a measured plan held beyond its prediction, charged to the options the model is not exact for.
+    ``inside_only=False`` (a plan of the layers' own options that held more: Funnel's layers, whose pooling the
+    model does not see): every option it chose but ``keep``."""
+    def charged(option: str, cost: Cost) -> bool:
+        return bool(cost.parts) if inside_only else option != "keep"
+
+    return [LayerProfile(layer.name, {o: replace(c, running_bytes=c.running_bytes + more) if o == key and charged(o, c)
                                       else c for o, c in layer.options.items()})
             for layer, key in zip(layers, keys, strict=True)]
 

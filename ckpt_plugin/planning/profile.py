@@ -492,7 +492,9 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
         no_ckpt_peak=memory["keep"][2],
         parts=parts,
         chains=chains,
-        measure=(lambda chosen: _plan_peak(model, forward, chosen.choices, fake, grouped)) if chains else None,
+        # A plan's own step on fake tensors: eager only (a compiled step keeps what its partitioner chooses).
+        measure=(lambda chosen: _plan_peak(model, forward, chosen.choices, fake, grouped)) if chains or not compiled
+        else None,
         regrouped=grouped,
     )
     if not timed:
