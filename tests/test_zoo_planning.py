@@ -114,7 +114,7 @@ def test_one_more_candidate_does_not_make_min_hold_more() -> None:
 
 def test_the_zoo_command_prints_the_least_plan_measured(capsys: pytest.CaptureFixture) -> None:
     """``python -m ckpt_tools.zoo --min``: beside the peaks, the step's peak with ``ckpt=auto``'s least plan (Funnel:
-    below full on its layers, above the forward's floor), bitwise, and the summary line counting it."""
+    below full on its layers, above the forward's floor), bitwise; a budget 10 % above it met; the summary line."""
     from ckpt_tools.zoo.__main__ import main
 
     assert main(["--min", "hf.funnel"]) == 0
@@ -123,5 +123,7 @@ def test_the_zoo_command_prints_the_least_plan_measured(capsys: pytest.CaptureFi
     sizes = [float(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[u] for n, u in re.findall(r"([\d.]+) (B|KiB|MiB)", row)]
     none, ours, floor, least = sizes  # Funnel has no checkpointing of its own: no "own" column
     assert floor <= least < ours < none
-    assert abs(float(row.split()[-1]) - least / none) < 0.002 and "NOT BITWISE" not in row  # sizes printed rounded
+    assert abs(float(row.split()[-2]) - least / none) < 0.002 and "NOT BITWISE" not in row  # sizes printed rounded
+    assert row.split()[-1] == "met"  # 1.1x min's peak: a budget the planner reaches, met
     assert "ckpt=auto ckpt.budget=min planned 1 of them (the others cannot run on fake tensors): bitwise on 1" in out
+    assert "a budget of 1.1x min's peak met, bitwise, on 1" in out

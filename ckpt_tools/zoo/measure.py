@@ -56,6 +56,14 @@ class ZooResult:
     floor: int | None = None  # the forward's own floor (measure/floor.py); None: the model cannot run on fake tensors
     least: Run | None = None  # ckpt=auto with ckpt.budget=min on the chosen layers (measure(least=True)); None: not run
     least_mismatches: list[str] = field(default_factory=list)
+    above: Run | None = None  # ckpt=auto with a budget of ABOVE times min's peak, in bytes (with least)
+    above_budget: int = 0
+    above_mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def above_met(self) -> bool:
+        """The budget above min's peak held (MemTracker) and the step bitwise."""
+        return self.above is not None and self.above.act_peak <= self.above_budget and not self.above_mismatches
 
     @property
     def ours_over_own(self) -> float | None:
@@ -122,12 +130,15 @@ def _differences(a: Run, b: Run) -> list[str]:
     return out
 
 
-def _least(entry: ZooModel) -> Run | None:
-    """A step with ``ckpt=auto``'s least peak planned (``ckpt.budget=min``, ``layers=auto``) from the model's own
-    training call; None where its forward cannot run on fake tensors (refused by name: ``NotFakeable``)."""
+ABOVE = 1.1  # the budget above min's peak a plan must meet: 10 % more bytes
+
+
+def _planned(entry: ZooModel, budget: str) -> Run | None:
+    """A step with ``ckpt=auto`` planned for ``budget`` (``layers=auto``) from the model's own training call; None
+    where its forward cannot run on fake tensors (refused by name: ``NotFakeable``)."""
     model = entry.build()
     try:
-        plan = plan_for(model, make_config(layers="auto", mode="auto", budget="min"),
+        plan = plan_for(model, make_config(layers="auto", mode="auto", budget=budget),
                         lambda: entry.loss(model(**entry.batch())))
     except NotFakeable:
         return None
@@ -136,7 +147,8 @@ def _least(entry: ZooModel) -> Run | None:
 
 
 def measure(entry: ZooModel, least: bool = False) -> ZooResult:
-    """``least``: also train with ``ckpt=auto``'s least peak (``ZooResult.least``)."""
+    """``least``: also train with ``ckpt=auto``'s least peak (``ZooResult.least``), and with a budget 10 % above
+    it (``ZooResult.above``: a budget the planner can reach must be met)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF's config notes and "use_cache=False" advice: known here
         plain = _cache_off(entry.build())
@@ -158,9 +170,12 @@ def measure(entry: ZooModel, least: bool = False) -> ZooResult:
             theirs = entry.build()
             entry.own(theirs)
             own = _train(entry, theirs, compared=False)
-        planned = _least(entry) if least else None
+        planned = _planned(entry, "min") if least else None
+        above_budget = int(ABOVE * planned.act_peak) if planned else 0
+        above = _planned(entry, f"{above_budget}B") if planned else None
     return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours), floor,
-                     planned, _differences(none, planned) if planned else [])
+                     planned, _differences(none, planned) if planned else [], above, above_budget,
+                     _differences(none, above) if above else [])
 
 
 __all__ = ["Run", "ZooResult", "measure"]
