@@ -110,18 +110,19 @@ class Profile:
     regrouped: tuple[str, ...] = ()  # layers measured as op groups (op_groups.py): their parts are groups
 
     def plan(self, budget_bytes: int) -> Plan:
-        """The planner's choice for ``budget_bytes``; with parts in it, its peak measured, not only predicted.
+        """The planner's choice for ``budget_bytes``, its peak measured before it is taken.
 
-        The peak model is exact for the layers' own options and, as tested, for
-        the parts of the example models; elsewhere a part's bytes may be shared
-        with its layer's own ops in ways no single number describes. So a plan
-        that goes inside a layer is measured (``measure``), and when it holds
-        more than the budget, the options inside layers it took are charged what
-        it held beyond its prediction (as :meth:`least` does) and it is planned
-        again, a few times. Then the least plan stands in, if it fits: a budget
-        that ``ckpt.budget=min``'s plan meets is never refused (Hugging Face's
-        CodeGen had 0.5 refused as "smallest reachable 0.50" while ``min`` held
-        0.32, 2026-11-27: each try had lowered the target, not the estimate).
+        The peak model is exact for the layers' own options on the example models and, as
+        tested, for their parts; not on every model (Hugging Face's Funnel pools between its
+        layers), and inside a layer a part's bytes may be shared with its layer's own ops in
+        ways no single number describes. So the chosen plan runs once on fake tensors
+        (``measure``: eager steps), and when it holds more than the budget, what it held
+        beyond its prediction is charged to the options it took (those inside layers where
+        it went inside; else every one but ``keep``) and it is planned again, a few times.
+        Then the least plan stands in, if it fits: a budget that ``ckpt.budget=min``'s plan
+        meets is never refused (Hugging Face's CodeGen had 0.5 refused as "smallest
+        reachable 0.50" while ``min`` held 0.32, 2026-11-27: each try had lowered the
+        target, not the estimate).
         """
         layers, measured = self.layers, []
         for _ in range(_TRIES):
@@ -134,7 +135,7 @@ class Profile:
             if self.measure is None:
                 return chosen
             peak, inside = self.measure(chosen), len(chosen.choices) > len(self.layers)
-            if peak <= budget_bytes:  # said measured where the model is not exact for it, or was not
+            if peak <= budget_bytes:  # "measured" in its summary: inside a layer, or where the model was off
                 exact = not inside and peak == chosen.predicted_peak
                 return chosen if exact else replace(chosen, predicted_peak=peak, peak_measured=True)
             measured.append(peak)
