@@ -355,17 +355,24 @@ def is_mutable(op: Any) -> bool:
     return op._schema.is_mutable
 
 
+@functools.cache
+def _written_arguments(op: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``op`` writes into; () for a functional op. Read once per op: a
+    selective region asks it of every op it runs."""
+    if not op._schema.is_mutable:
+        return ()
+    return tuple((i, arg.name) for i, arg in enumerate(op._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
+
+
 def written(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors one call of ``op`` writes into (its schema's ``Tensor(a!)`` arguments: ``self`` of an in-place
     op, ``out=``); [] for a functional op."""
-    if not op._schema.is_mutable:
-        return []
     found = []
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            values = value if isinstance(value, (list, tuple)) else [value]
-            found += [t for t in values if isinstance(t, torch.Tensor)]
+    for i, name in _written_arguments(op):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [t for t in values if isinstance(t, torch.Tensor)]
     return found
 
 

@@ -132,14 +132,13 @@ class Profile:
             except ValueError:  # none predicted to fit: the least plan may measure less than predicted
                 break
             chosen = replace(chosen, budget_bytes=budget_bytes, timed_as=self.timed_as)
-            if self.measure is None:
-                return chosen
-            peak, inside = self.measure(chosen), len(chosen.choices) > len(self.layers)
-            if peak <= budget_bytes:  # "measured" in its summary: inside a layer, or where the model was off
-                exact = not inside and peak == chosen.predicted_peak
-                return chosen if exact else replace(chosen, predicted_peak=peak, peak_measured=True)
-            measured.append(peak)
-            charged = _held_more(layers, chosen.keys, max(peak - chosen.predicted_peak, 1), inside_only=inside)
+            inside = len(chosen.choices) > len(self.layers)
+            ran = self._measured(chosen, said=inside)
+            if ran.predicted_peak <= budget_bytes:  # without ``measure``: as planned, which fits
+                return ran
+            measured.append(ran.predicted_peak)
+            charged = _held_more(layers, chosen.keys, max(ran.predicted_peak - chosen.predicted_peak, 1),
+                                 inside_only=inside)
             if charged == layers:  # nothing to charge (every layer kept): planned again, it would come back
                 break
             layers = charged
@@ -148,13 +147,16 @@ class Profile:
             return replace(least, budget_bytes=budget_bytes)
         raise ValueError(unreachable(budget_bytes, min(measured + [least.predicted_peak]), self.no_ckpt_peak))
 
-    def _measured(self, chosen: Plan) -> Plan:
-        """``chosen`` (one of the layers' own options each) with its peak measured where that differs from the
-        model's (the model is exact on the example models; not on every model: Funnel pools between layers)."""
+    def _measured(self, chosen: Plan, said: bool = False) -> Plan:
+        """``chosen`` with its peak measured (one step on fake tensors), said so in its summary where ``said`` (a
+        plan inside a layer) or where it differs from the model's (exact on the example models' layers; not on
+        every model: Funnel pools between its layers). As it is without ``measure``."""
         if self.measure is None:
             return chosen
         peak = self.measure(chosen)
-        return chosen if peak == chosen.predicted_peak else replace(chosen, predicted_peak=peak, peak_measured=True)
+        if not said and peak == chosen.predicted_peak:
+            return chosen
+        return replace(chosen, predicted_peak=peak, peak_measured=True)
 
     def least(self) -> Plan:
         """``ckpt.budget=min``: the cheapest plan among those of the least predicted peak, its peak measured
@@ -182,10 +184,10 @@ class Profile:
             if chosen.keys in seen:
                 break
             seen.add(chosen.keys)
-            measured = self.measure(chosen)
-            if best is None or measured < best.predicted_peak:
-                best = replace(chosen, predicted_peak=measured, peak_measured=True)
-            layers = _held_more(layers, chosen.keys, max(measured - chosen.predicted_peak, 1))
+            ran = self._measured(chosen, said=True)
+            if best is None or ran.predicted_peak < best.predicted_peak:
+                best = ran
+            layers = _held_more(layers, chosen.keys, max(ran.predicted_peak - chosen.predicted_peak, 1))
         return replace(best, budget_bytes=best.predicted_peak)
 
 
