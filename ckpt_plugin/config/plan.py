@@ -48,6 +48,7 @@ from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
 from ckpt_plugin.planning.budget import parse_budget, resolve
+from ckpt_plugin.planning.plan_file import load_plan
 from ckpt_plugin.planning.planner import OPTIONS, Profile, smallest_peak
 from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, chain_costs, profile, wrap_plan
 from ckpt_plugin.planning.rotor import Unreachable, least_peak, simulate, solve
@@ -84,6 +85,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     given, model = model, user_module(model)
     if isinstance(config, NoneConfig):
         return WrapPlan()
+    if isinstance(config, AutoConfig) and config.plan is not None:
+        return given_plan(model, config)
     layers, note = resolve_layers(model, config.layers)
     note = note or ""
     names = select_layers(model, layers, config.every_n)
@@ -110,6 +113,16 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     if forward is not None:
         raise_problems(chain_problems(model, names, forward), "ckpt.segments")
     return _optimal(model, config, names, forward, note) if optimal else plan
+
+
+def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
+    """``ckpt.plan``: the file's plan, checked against ``model``, installed as it is: nothing is profiled or timed."""
+    plan = load_plan(config.plan, model)
+    ignored = [f"ckpt.{k}={v}" for k, v in (("layers", config.layers), ("budget", config.budget)) if v is not None]
+    lines = [f"ckpt.plan: installing the plan in {config.plan} as it is, without planning ({len(plan.names)} "
+             f"module(s))" + (f"; {', '.join(ignored)} not read: the plan decides" if ignored else ""),
+             str(plan.planned) if plan.planned is not None else ""]
+    return replace(plan, summary="\n".join(filter(None, [plan.note, *lines])))
 
 
 def _auto(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
@@ -365,8 +378,10 @@ def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
 
     Returns the qualified names wrapped, in model order. Applying again replaces
     the previous wrapping (never wraps twice); ``mode="none"`` unwraps.
+    ``mode="auto", plan="ckpt_plan.json"`` installs a saved plan (``planning/plan_file.py``)
+    without planning; ``planning.plan_file.save_plan(plan_for(...), path, model)`` writes one.
     """
     return apply_config(model, make_config(**ckpt_keys))
 
 
-__all__ = ["apply_checkpointing", "apply_config", "chain_problems", "plan_for", "treatment_of"]
+__all__ = ["apply_checkpointing", "apply_config", "chain_problems", "given_plan", "plan_for", "treatment_of"]

@@ -332,16 +332,38 @@ class AutoConfig(LayerSelection):
     # How each option is timed for the plan: auto (as the step runs: compiled where ckpt.compile or the
     # user's torch.compile will compile it), eager, compiled (inductor) or a torch.compile backend's name.
     timing: Any = "auto"
+    # A plan file (the ckpt_plan.json a ckpt=auto run writes in its log dir): install exactly that plan,
+    # without planning (no profile, no timing); layers and budget are then not needed. null: plan.
+    plan: Any = None
 
     def __post_init__(self) -> None:
         from ckpt_plugin.planning.budget import parse_budget
 
-        problems = self._problems() + _check_bool("preserve_rng_state", self.preserve_rng_state)
-        try:
-            parse_budget(self.budget)
-        except ConfigError as err:
-            problems += err.problems
+        given = self.plan is not None  # the file decides what is wrapped: layers and budget may be left out
+        problems = [p for p in self._problems() if not (given and self.layers is None and p.key == "ckpt.layers")]
+        problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)
+        if not (given and self.budget is None):
+            try:
+                parse_budget(self.budget)
+            except ConfigError as err:
+                problems += err.problems
         raise_problems(problems + _compile_problems(self) + _timing_problems(self.timing))
+
+
+def _plan_problems(value: Any) -> list[Problem]:
+    """``ckpt.plan``: null, or the path of a file that exists (its content is checked against the model)."""
+    import os
+
+    if value is None:
+        return []
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        return [Problem("ckpt.plan", f"ckpt.plan={value!r} ({type(value).__name__}) must be the path of a plan file "
+                        "(the ckpt_plan.json a ckpt=auto run writes in its log dir), or null to plan")]
+    if not os.path.isfile(value):
+        return [Problem("ckpt.plan", f"ckpt.plan={os.fspath(value)}: no such file",
+                        "give the path of a ckpt_plan.json that a ckpt=auto run wrote (in its log dir), "
+                        "or null to plan")]
+    return []
 
 
 TIMINGS = ("auto", "eager", "compiled")
@@ -389,6 +411,7 @@ class NoneConfig:
     deepspeed: Any = None
     compile: Any = False
     timing: Any = None
+    plan: Any = None
 
 
 MODES: dict[str, type] = {
