@@ -182,3 +182,71 @@ def test_a_deepspeed_checkpoint_is_not_written_to_a_plan_file(gpt: dict, tmp_pat
     with pytest.raises(ConfigError, match=r"^a plan with DeepSpeed's own checkpoint .* cannot be written"):
         save_plan(plan, tmp_path / "plan.json", gpt["model"])
     assert not (tmp_path / "plan.json").exists()
+
+
+# ---------------------------------------------------------------------- through the callback: kept, given back, resumed
+
+
+def _fit(tmp_path, ckpt_path=None, max_steps: int = 2, **keys):
+    from test_callback_state import Net, fit
+
+    from ckpt_plugin import ActivationCheckpointing
+
+    callback = ActivationCheckpointing(mode="auto", **keys)
+    trainer = fit(callback, Net(), tmp_path, max_steps=max_steps, ckpt_path=ckpt_path)
+    return callback, trainer
+
+
+def _no_planning(monkeypatch) -> None:
+    """ckpt=auto's profile (our own entry point to all measuring and timing) fails if anything calls it."""
+    import ckpt_plugin.config.plan as config_plan
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the profile ran")
+
+    monkeypatch.setattr(config_plan, "profile", refuse)
+    monkeypatch.setattr(config_plan, "chain_costs", refuse)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> dict:
+    """A ckpt=auto fit of two steps (budget 0.5 of 4 Blocks), its plan file and a checkpoint."""
+    tmp = tmp_path_factory.mktemp("planned")
+    callback, trainer = _fit(tmp, layers="Block", budget=0.5)
+    trainer.save_checkpoint(tmp / "two_steps.ckpt")
+    return {"callback": callback, "dir": tmp, "checkpoint": tmp / "two_steps.ckpt"}
+
+
+def test_a_run_that_planned_writes_its_plan_in_the_log_dir_and_its_checkpoint(planned: dict) -> None:
+    callback = planned["callback"]
+    assert callback.plan_path == planned["dir"] / "ckpt_plan.json"  # logger=False: the default_root_dir
+    saved = json.loads(callback.plan_path.read_text())
+    assert [n for g in saved["groups"] for n in g["names"]] == callback.wrapped and callback.wrapped
+    assert saved["planned"]["predicted_peak"] == callback.planned.predicted_peak
+    checkpoint = torch.load(planned["checkpoint"], weights_only=True)
+    assert checkpoint["callbacks"]["ActivationCheckpointing"]["plan"] == saved
+
+
+def test_ckpt_plan_installs_the_file_without_planning(planned: dict, tmp_path, monkeypatch, caplog) -> None:
+    _no_planning(monkeypatch)
+    path = planned["callback"].plan_path
+    with caplog.at_level("INFO"):
+        callback, _ = _fit(tmp_path, plan=str(path))  # no layers, no budget: the file decides
+    assert callback.wrapped == planned["callback"].wrapped
+    assert f"ckpt.plan: installing the plan in {path} as it is, without planning" in caplog.text
+    assert callback.plan_path is None  # nothing planned, nothing written
+
+
+def test_a_resume_installs_the_checkpoints_plan_without_planning(planned: dict, tmp_path, monkeypatch,
+                                                                caplog) -> None:
+    _no_planning(monkeypatch)
+    with caplog.at_level("INFO"):
+        callback, trainer = _fit(tmp_path, ckpt_path=planned["checkpoint"], max_steps=3, layers="Block", budget=0.5)
+    assert trainer.global_step == 3 and callback.wrapped == planned["callback"].wrapped
+    assert "ckpt=auto: resuming with the checkpoint's plan, installed as it is, without planning" in caplog.text
+
+
+def test_a_resume_with_other_keys_plans_anew(planned: dict, tmp_path) -> None:
+    with pytest.warns(UserWarning, match=r"budget 0\.5 -> 0\.9\. Training resumes with this run's config"):
+        callback, _ = _fit(tmp_path, ckpt_path=planned["checkpoint"], max_steps=3, layers="Block", budget=0.9)
+    assert callback.plan_path == tmp_path / "ckpt_plan.json"  # planned, and written

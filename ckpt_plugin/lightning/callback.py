@@ -19,14 +19,31 @@ check and the first batch, so every layer is there and nothing has run yet.
 
 What a checkpoint records: :meth:`ActivationCheckpointing.state_dict`, under
 the key ``ActivationCheckpointing`` (Lightning's default ``state_key``, the
-class name: one instance per Trainer). A resume with other keys warns once,
-naming each change, and goes on with this run's keys.
+class name: one instance per Trainer), with ``ckpt=auto``'s plan as plain data
+(``planning/plan_file.py``). A resume with other keys warns once, naming each
+change, goes on with this run's keys and plans anew; with the same keys it
+installs the checkpoint's plan without planning, where Lightning restores a
+callback's state before ``on_fit_start`` (every strategy whose
+``restore_checkpoint_after_setup`` is false: single device, DDP). FSDP, FSDP2 and
+DeepSpeed restore it after: there the resumed run plans again (rank 0's plan on
+every rank), and ``ckpt.plan=<its ckpt_plan.json>`` gives it the old plan.
+
+One plan on every rank (``ckpt=auto``): under several processes rank 0 plans
+and ``trainer.strategy.broadcast`` hands its plan, as plain data, to every rank,
+which installs it. Under DDP without SyncBatchNorm the other ranks wait at the
+broadcast: the profile runs the LightningModule's own forward, which issues no
+collective. Under FSDP, FSDP2 and DeepSpeed (the forward gathers parameters)
+or with SyncBatchNorm (its forward all-gathers statistics) one rank alone would
+wait for the others forever, so every rank profiles in lockstep, as before, and
+installs rank 0's plan. Rank 0 writes the plan it installed to
+``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,6 +63,7 @@ from ckpt_plugin.lightning.strategies import prepare
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import WrapReport, wrap_report
+from ckpt_plugin.planning.plan_file import FILE_NAME, plan_from_dict, plan_to_dict, save_plan
 
 
 class ActivationCheckpointing(pl.Callback):
@@ -91,6 +109,8 @@ class ActivationCheckpointing(pl.Callback):
             check_recompute or policy names.
         timing: ckpt=auto: how each option is timed for the plan (unset: auto, as the step runs: compiled where
             ckpt.compile or your own torch.compile compiles it), eager, compiled (inductor) or a backend name.
+        plan: ckpt=auto: the path of a plan file (the ckpt_plan.json a ckpt=auto run writes in the Trainer's log
+            dir) to install as it is, without planning; layers and budget are then not needed (unset: plan).
     """
 
     def __init__(
@@ -110,6 +130,7 @@ class ActivationCheckpointing(pl.Callback):
         deepspeed: dict[str, Any] | None = None,
         compile: bool | str | None = None,  # noqa: A002 -- the key's name in the ckpt node
         timing: str | None = None,
+        plan: str | None = None,
         **misspelt: Any,
     ) -> None:
         super().__init__()
@@ -117,7 +138,7 @@ class ActivationCheckpointing(pl.Callback):
             "layers": layers, "every_n": every_n, "preserve_rng_state": preserve_rng_state,
             "check_recompute": check_recompute, "segments": segments, "offload": offload, "policy": policy,
             "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "deepspeed": deepspeed,
-            "compile": compile, "timing": timing,
+            "compile": compile, "timing": timing, "plan": plan,
         }
         # None is "the mode's default": left out, so a key the mode lacks is an error only when it is given
         # (Hydra's instantiate hands over every key of the mode's node, its nulls included). Any other
@@ -128,6 +149,9 @@ class ActivationCheckpointing(pl.Callback):
         self.wrapped: list[str] = []  # qualified names wrapped in the current fit
         self.report: WrapReport | None = None
         self.planned: Any = None  # ckpt=auto's Plan: predicted activation peak and step time
+        self.plan_path: Path | None = None  # where rank 0 wrote the plan this fit planned (ckpt=auto)
+        self._plan: dict[str, Any] | None = None  # ckpt=auto: the plan installed, as data (state_dict)
+        self._resumed: dict[str, Any] | None = None  # the checkpoint's plan, when its keys are this run's
         self._policy: Any = None  # the selective policy until its names are checked
         self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
         self._counting: Any = None  # its hooks, between batch start and backward
@@ -135,11 +159,16 @@ class ActivationCheckpointing(pl.Callback):
     # -- the checkpoint's record: what this fit was trained with ----------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The keys (mode included), the modules this fit wrapped and the plugin's version; plain Python."""
-        return {"config": _plain(as_keys(self.config)), "wrapped": list(self.wrapped), "version": __version__}
+        """The keys (mode included), the modules this fit wrapped, the plugin's version and, for ckpt=auto, the
+        plan installed (``plan_file.plan_to_dict``); plain Python."""
+        state = {"config": _plain(as_keys(self.config)), "wrapped": list(self.wrapped), "version": __version__}
+        if self._plan is not None:
+            state["plan"] = self._plan
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Warn once, naming each change, when the checkpoint was trained with other keys; nothing is restored."""
+        """Warn once, naming each change, when the checkpoint was trained with other keys (this run then plans
+        anew); with the same keys, keep the checkpoint's ckpt=auto plan for ``on_fit_start`` to install."""
         saved = state_dict.get("config")
         if not isinstance(saved, dict):  # a record without the keys: nothing to compare
             return
@@ -154,6 +183,13 @@ class ActivationCheckpointing(pl.Callback):
                 "Training resumes with this run's config (activation checkpointing does not change the weights, "
                 "only memory and time)."
             )
+        elif isinstance(state_dict.get("plan"), dict) and isinstance(self.config, AutoConfig):
+            if self.wrapped:  # restored after on_fit_start (FSDP, DeepSpeed): this fit planned already
+                rank_zero_info(f"{type(self).__name__}: the checkpoint's ckpt=auto plan was restored after this run "
+                               "planned (the strategy restores callbacks after on_fit_start); the run keeps the "
+                               "plan it installed")
+            else:
+                self._resumed = state_dict["plan"]
 
     # -- fit: check at setup, wrap at fit start ----------------------------------------------------
 
@@ -174,9 +210,10 @@ class ActivationCheckpointing(pl.Callback):
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
         prepare(trainer.strategy, pl_module, self.config)
-        profiled = isinstance(self.config, AutoConfig) or getattr(self.config, "segments", None) == "optimal"
+        planning = isinstance(self.config, AutoConfig) and self.config.plan is None  # ckpt.plan: no profile
+        profiled = planning or getattr(self.config, "segments", None) == "optimal"
         forward = self._example_forward(trainer, pl_module, from_batch=profiled)
-        if forward is None and isinstance(self.config, AutoConfig):
+        if forward is None and planning:
             raise ConfigError([Problem(
                 "ckpt.mode",
                 f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on "
@@ -185,14 +222,16 @@ class ActivationCheckpointing(pl.Callback):
                 "training_step runs the model otherwise than through self(...)",
                 "set example_input_array, or choose another ckpt preset",
             )])
-        if isinstance(self.config, AutoConfig):
-            rank_zero_info("ckpt=auto: measuring the candidate layers (memory on fake tensors, step time one "
-                           "layer at a time) to plan for ckpt.budget...")
-        plan = plan_for(pl_module, self.config, forward)
+        if planning:
+            plan = self._agreed_plan(trainer, pl_module, forward)
+        else:
+            plan = plan_for(pl_module, self.config, forward)
         if plan.summary:
             rank_zero_info(plan.summary)
         self.planned = plan.planned
         self.wrapped = install(pl_module, plan)
+        if planning:
+            self._keep(trainer, pl_module, plan)
         self._policy = policy_of(pl_module)
         if forward is None:
             rank_zero_info(
@@ -209,6 +248,59 @@ class ActivationCheckpointing(pl.Callback):
         else:
             rank_zero_info(str(self.report))
         self._check_names()
+
+    # -- ckpt=auto: one plan on every rank, kept --------------------------------------------------
+
+    def _agreed_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     forward: Callable[[], Any] | None) -> Any:
+        """The plan every rank installs: the checkpoint's on a resume with the same keys, else rank 0's."""
+        if self._resumed is not None:
+            plan = plan_from_dict(self._resumed, pl_module, "the checkpoint's plan (trainer.fit(ckpt_path=...))")
+            self._resumed = None
+            lines = ["ckpt=auto: resuming with the checkpoint's plan, installed as it is, without planning "
+                     f"({len(plan.names)} module(s))", str(plan.planned) if plan.planned is not None else ""]
+            return replace(plan, summary="\n".join(filter(None, [plan.note, *lines])))
+        world, rank = trainer.world_size, trainer.global_rank
+        alone = world == 1 or rank_zero_plans_alone(trainer.strategy, pl_module)
+        plan = error = None
+        if rank == 0 or not alone:
+            what = "rank 0 measures" if world > 1 and alone else (
+                "every rank measures in lockstep, rank 0's plan is installed" if world > 1 else "measuring")
+            rank_zero_info(f"ckpt=auto: {what} the candidate layers (memory on fake tensors, step time one layer "
+                           "at a time) to plan for ckpt.budget...")
+            try:
+                plan = plan_for(pl_module, self.config, forward)
+            except Exception as err:
+                if world == 1:
+                    raise
+                error = err  # said to the other ranks, which would otherwise wait at the broadcast forever
+        if world == 1:
+            return plan
+        sent = None
+        if rank == 0:
+            sent = {"error": _as_data(error)} if error is not None else {
+                "plan": plan_to_dict(plan, pl_module), "summary": plan.summary}
+        sent = trainer.strategy.broadcast(sent, src=0)
+        if rank == 0 and error is not None:
+            raise error
+        if "error" in sent:
+            raise _from_data(sent["error"])
+        agreed = plan_from_dict(sent["plan"], pl_module, "rank 0's plan")
+        return replace(agreed, summary=sent["summary"])
+
+    def _keep(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any) -> None:
+        """Keep the plan installed: in the state_dict, and on rank 0 as ``ckpt_plan.json`` in the log dir."""
+        self._plan = plan_to_dict(plan, pl_module)
+        where = trainer.log_dir or trainer.default_root_dir  # log_dir is a collective: every rank asks
+        if trainer.global_rank != 0:
+            return
+        try:
+            self.plan_path = save_plan(plan, Path(where) / FILE_NAME, pl_module)
+        except OSError as err:  # a read-only log dir costs the file, not the run
+            rank_zero_warn(f"ckpt=auto: the plan could not be written to {where}: {err}")
+            return
+        rank_zero_info(f"ckpt=auto: the plan installed is in {self.plan_path}; ckpt.plan={self.plan_path} "
+                       "installs it again without planning")
 
     @staticmethod
     def _example_forward(trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -279,8 +371,39 @@ class ActivationCheckpointing(pl.Callback):
         remove_checkpointing(pl_module)
 
 
+def rank_zero_plans_alone(strategy: Any, model: nn.Module) -> bool:
+    """Whether rank 0 can profile while the other ranks wait: the LightningModule's forward issues no collective.
+
+    DDP's collectives run in backward, and only for a forward through its wrapper (its reducer expects
+    gradients after ``DistributedDataParallel.forward``); the profile calls the LightningModule itself. FSDP,
+    FSDP2 and ZeRO-3 gather parameters in the forward; DeepSpeed's strategy is a DDPStrategy, and is left
+    out too; SyncBatchNorm all-gathers its statistics in every training forward.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy):
+        return False
+    return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
+def _as_data(error: BaseException) -> dict[str, Any]:
+    """An error on rank 0, as plain data for the broadcast: a ConfigError's problems, else its words."""
+    if isinstance(error, ConfigError):
+        return {"problems": [[p.key, p.problem, p.fix] for p in error.problems], "what": error.what}
+    return {"message": f"{type(error).__name__}: {error}"}
+
+
+def _from_data(data: dict[str, Any]) -> Exception:
+    if "problems" in data:
+        return ConfigError([Problem(*p) for p in data["problems"]], data["what"])
+    return RuntimeError(f"ckpt=auto: rank 0 could not plan, so no rank installs a plan: {data['message']}")
+
+
 def _check_on(model: nn.Module, config: CkptConfig) -> None:
     """What ``config`` asks of ``model`` that needs no forward: the layer selection and a segment chain."""
+    if isinstance(config, AutoConfig) and config.plan is not None:  # the file's plan, checked against the model
+        check_plan(user_module(model), plan_for(model, config))
+        return
     if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
         config = FullConfig(layers=config.layers, every_n=config.every_n)
     check_plan(user_module(model), plan_for(model, config))  # what install() checks before touching the model

@@ -71,7 +71,7 @@ def plan_to_dict(plan: WrapPlan, model: nn.Module) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "plugin": __version__,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion would not load with weights_only=True
         "model": type(model).__name__,
         "groups": [_group_to_dict(g) for g in plan.groups],
         "regroup": list(plan.regroup),
