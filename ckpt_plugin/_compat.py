@@ -175,9 +175,9 @@ class CategoryPeakTracker(MemTracker):
                     self.category_peaks[name] = value
 
 
-# The parameters of ``_checkpoint_without_reentrant_generator`` before its ``*args`` (torch 2.13:
+# The parameters of ``_checkpoint_without_reentrant_generator`` before its ``*args`` (torch 2.11 to 2.15:
 # ``fn, preserve_rng_state=True, context_fn=noop_context_fn, determinism_check="default",
-# debug=False, early_stop=True, *args, **kwargs``).
+# debug=False, early_stop=True, *args, **kwargs``, 2.11 and 2.15 with a keyword-only parameter more).
 _REGION_PARAMETERS = ("fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
 
 
@@ -193,7 +193,10 @@ def _region_generator() -> Any:
 
     params = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters.values())
     named = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    kinds = [p.kind for p in params]
+    # Keyword-only parameters with a default may follow ``*args``: we leave them at it. torch 2.11 and 2.15
+    # have ``respect_saved_tensors_hooks=None`` there (whether torch's own selective checkpoint routes what it
+    # saves through the caller's saved_tensors_hooks; None: as before), 2.13 has none.
+    kinds = [p.kind for p in params if not (p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty)]
     expected_kinds = [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(_REGION_PARAMETERS) + [
         inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
     if named != _REGION_PARAMETERS or kinds != expected_kinds:
@@ -318,7 +321,8 @@ def tracing_for_compile() -> bool:
     """Whether AOTAutograd is tracing right now (torch.compile, export), as torch's checkpoint
     itself decides it (``torch.utils.checkpoint._is_compiling``: a proxy dispatch mode is
     active); it then accepts only torch's own selective-checkpoint modes from ``context_fn``."""
-    if torch.compiler._is_non_strict_tracing():
+    non_strict = getattr(torch.compiler, "_is_non_strict_tracing", None)  # not in every 2.11 build (issue #31)
+    if non_strict is not None and non_strict():
         return False
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
@@ -387,14 +391,16 @@ def argument(op: Any, args: tuple, kwargs: dict, name: str, missing: Any = None)
 # -- for saved_activations' row sources (residuals.py) --
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+# torch 2.11 and 2.15 run the region in ``_checkpoint_without_reentrant_generator_impl``, which the
+# generator of that name delegates to (``fn`` is a local of both); 2.13 runs it in the generator itself.
+_REGION_FUNCTIONS = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 
 
 def checkpointed_fn(frame: FrameType | None) -> Any:
     """The ``fn`` of the non-reentrant checkpoint that is saving its inputs right now, or None.
 
     torch saves a region's inputs from inside ``_checkpoint_without_reentrant_generator``
-    (``_CheckpointFrame.save_inputs`` in torch 2.13, ``NoopSaveInputs`` in older
-    releases), which is on the call stack only then: while the region runs, the
+    (or its ``_impl``: ``_REGION_FUNCTIONS``; ``_CheckpointFrame.save_inputs``), which is on the call stack only then: while the region runs, the
     generator is suspended at its ``yield``. Private torch internals: if they
     move, those rows fall back to the op that produced the input.
     """
@@ -402,7 +408,7 @@ def checkpointed_fn(frame: FrameType | None) -> Any:
         if frame is None:
             return None
         code = frame.f_code
-        if code.co_name == "_checkpoint_without_reentrant_generator" and code.co_filename == _CHECKPOINT_FILE:
+        if code.co_name in _REGION_FUNCTIONS and code.co_filename == _CHECKPOINT_FILE:
             return frame.f_locals.get("fn")
         frame = frame.f_back
     return None

@@ -50,13 +50,18 @@ _PIP_TOOLS = {"pip", "setuptools", "wheel"}
 
 
 @contextmanager
-def fresh_env(extras: str = "test", *pip_args: str) -> Iterator[Env]:
-    """A new venv, torch installed first, then ``-e .[extras]`` with ``pip_args`` (``-c FILE``, ``-U``)."""
+def fresh_env(extras: str = "test", *pip_args: str, torch: str = TORCH, at: Path | None = None) -> Iterator[Env]:
+    """A new venv, ``torch`` installed first, then ``-e .[extras]`` with ``pip_args`` (``-c FILE``, ``-U``).
+
+    ``at``: build it there and keep it (a venv already there is used as it is: its torch and
+    the project are installed again, which pip skips when nothing changed); else a temporary one.
+    """
     with tempfile.TemporaryDirectory(prefix="ckpt-env-") as tmp:
-        path = Path(tmp) / "venv"
-        venv.create(path, with_pip=True)
+        path = at or Path(tmp) / "venv"
+        if not (path / "bin" / "python").exists():
+            venv.create(path, with_pip=True)
         env = Env(path)
-        env.pip(TORCH)
+        env.pip(torch)
         env.pip(*pip_args, "-e", f".[{extras}]" if extras else ".")
         yield env
 

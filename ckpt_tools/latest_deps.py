@@ -3,6 +3,8 @@
     python -m ckpt_tools.latest_deps                 # newest of everything pyproject admits, then the README's pytest
     python -m ckpt_tools.latest_deps --lowest        # every direct dependency at its declared floor
     python -m ckpt_tools.latest_deps -- -x tests/test_hf.py   # arguments after -- go to pytest
+    python -m ckpt_tools.latest_deps --torch 2.11.0  # the lock's versions, on another torch release
+    python -m ckpt_tools.latest_deps --torch 2.15.0 --venv /tmp/t215   # keep the venv, to run again
 
 CI installs the lock (``requirements/test.lock``), so a release of a dependency
 cannot turn it red; this is where such a release shows up first, on purpose. It
@@ -10,6 +12,11 @@ builds a throw-away venv (torch held to the README's build), prints every versio
 that differs from the lock, runs the suite there, and exits with pytest's code.
 Green: ``python -m ckpt_tools.lock`` may take those versions. ``--lowest`` checks
 that the floors ``pyproject.toml`` declares are ones that really pass.
+
+``--torch VERSION`` is the supported-torch check (README, "The torch you have"):
+that torch release first, then everything else at the lock's versions, so the
+suite meets only torch's differences. A release other than the README's CPU
+build is the registry's, a CUDA build of several GB on x86-64; it runs on the CPU here.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ckpt_tools.fresh_env import ROOT, floors, fresh_env
+from ckpt_tools.fresh_env import ROOT, TORCH, floors, fresh_env
 from ckpt_tools.lock import LOCK
 
 
@@ -42,18 +49,24 @@ def differences(versions: dict[str, str], lock: dict[str, str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lowest", action="store_true", help="install each direct dependency at its floor")
+    parser.add_argument("--torch", metavar="VERSION", help="this torch release, the lock's versions of the rest")
+    parser.add_argument("--venv", type=Path, help="build the venv here and keep it (reused if there)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --); default: the README's "
                         "-q -n 2 --dist loadfile")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ckpt-floors-") as tmp:
         pip_args: list[str] = []
+        constraints = Path(tmp) / "constraints.txt"
         if args.lowest:
-            constraints = Path(tmp) / "floors.txt"
             constraints.write_text("".join(f"{name}=={v}\n" for name, v in floors("test").items() if name != "torch"))
             pip_args = ["-c", str(constraints)]
-        with fresh_env("test", *pip_args) as env:
+        elif args.torch:  # the lock but torch, which the user's release replaces
+            constraints.write_text("".join(f"{name}=={v}\n" for name, v in locked().items() if name != "torch"))
+            pip_args = ["-c", str(constraints)]
+        torch = f"torch=={args.torch}" if args.torch else TORCH
+        with fresh_env("test", *pip_args, torch=torch, at=args.venv) as env:
             versions = env.versions()
-            label = "lowest" if args.lowest else "newest"
+            label = f"torch {args.torch}, locked" if args.torch else "lowest" if args.lowest else "newest"
             rows = differences(versions, locked())
             print(f"{label} releases: {len(versions)} distributions, {len(rows)} differ from {LOCK.name}:")
             print("\n".join(rows) or "  (none)", flush=True)
