@@ -59,7 +59,8 @@ from hydra import compose, initialize_config_module
 import ckpt_examples, ckpt_plugin, ckpt_tools
 import hydra_plugins.ckpt_plugin_searchpath as searchpath
 
-presets = sorted(p.name[:-5] for p in files("ckpt_plugin.configs").joinpath("ckpt").iterdir() if p.name.endswith(".yaml"))
+presets = sorted(p.name.removesuffix(".yaml") for p in files("ckpt_plugin.configs").joinpath("ckpt").iterdir()
+                 if p.name.endswith(".yaml"))
 composed = {}
 with initialize_config_module("ckpt_tools.configs", version_base="1.3"):
     for model, data in [("gpt", "text"), ("resnet", "images")]:
@@ -198,7 +199,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert install.returncode == 0, install.stdout + install.stderr
     purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
-    deps = dict.fromkeys(site.getsitepackages())  # torch, Lightning, Hydra: this environment's, in its order
+    # torch, Lightning, Hydra: this environment's, in its order (the user site where the interpreter reads one)
+    deps = dict.fromkeys([*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])])
     (purelib / "test_environment.pth").write_text("".join(f"{d}\n" for d in deps))
 
     cwd = tmp / "cwd"  # never the checkout: nothing of it is on sys.path through the working directory
@@ -240,7 +242,8 @@ def test_the_wheel_holds_every_file_of_the_packages(installed) -> None:
     assert any(n.endswith(".yaml") for n in in_source) and "ckpt_examples/corpus.txt" in in_source, in_source
     missing = sorted(set(in_source) - set(in_wheel))
     assert not missing, f"files of the packages the wheel lacks (add them to package-data in pyproject.toml): {missing}"
-    assert in_wheel == in_source, f"the wheel holds files the source packages do not: {sorted(set(in_wheel) - set(in_source))}"
+    extra = sorted(set(in_wheel) - set(in_source))
+    assert not extra, f"the wheel holds files the source packages do not: {extra}"
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
 
