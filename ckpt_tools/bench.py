@@ -1,8 +1,11 @@
 """``ckpt-bench``: every checkpointing mode on the example models, side by side.
 
     ckpt-bench --out bench/                          # default sizes: minutes on 2 CPU cores
-    ckpt-bench --quick --out /tmp/bench              # small models, under two minutes
+    ckpt-bench --quick --out /tmp/bench              # small models, 8 modes, no compile: under two minutes
     python -m ckpt_tools.bench --models gpt --modes none,hand,full,selective --out /tmp/b
+    python -m ckpt_tools.bench --device cuda --precision bf16-mixed --models gpt \
+        --gpt n_layer=16,n_embd=2048,n_head=16,block_size=1024,batch_size=16 \
+        --modes none,full,selective,offload --skip overhead,compiled --keep-going --out /tmp/g
 
 Measured as ``DESIGN.md`` says, with the functions of :mod:`ckpt_plugin.measure`:
 for each mode a fresh model (same seed, same batch) runs one warm-up step, then
@@ -12,8 +15,12 @@ a model in the same process, round-robin (the order rotates each round), each
 mode at least ``--steps`` steps and ``--min-seconds`` per round, ``--repeats``
 rounds. ``time_ratio`` is a ratio of medians; ``time_ratio_best``, of the
 fastest steps, is less sensitive to other processes on a shared machine. A step
-is forward, loss and backward (no optimiser: it is the same in every mode). The
-bench runs on CPU, so ``offload`` has nothing to move here.
+is forward, loss and backward (no optimiser: it is the same in every mode). On
+CPU ``offload`` has nothing to move. With ``--device cuda`` the models are built
+on the GPU, each step is synchronised before its time is taken, and the peaks
+are ``torch.cuda.max_memory_allocated``'s (see :func:`cuda_step_memory`; the act
+peak is what the forward leaves on the device, which ``offload`` moves to pinned
+host memory). ``python -m ckpt_tools.gpu_check`` runs it so on a GPU machine.
 
 ``hand`` is the baseline a user writes by hand: the model's ``forward`` calling
 ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` on every
@@ -27,14 +34,17 @@ bottleneck is the ResNet's counterpart of a ``TransformerBlock`` (the unit a use
 would wrap by hand).
 
 Writes ``results.json`` ({model: {mode: {peak_bytes, act_peak_bytes,
-flops_ratio, time_ratio, ...}}}), ``results.md`` and ``plot.png`` into ``--out``.
+flops_ratio, time_ratio, ...}}}), ``results.md`` and ``plot.png`` into ``--out``;
+without matplotlib (an optional dependency, ``ckpt-plugin[bench]``) the two
+tables are written and the plot is skipped with one line saying why.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
-import importlib.util
+import inspect
 import itertools
 import json
 import shlex
@@ -57,12 +67,17 @@ from ckpt_plugin.measure.memory import step_flops, step_memory
 from ckpt_plugin.planning.rotor import describe
 from ckpt_tools.compiled import PLUGIN_ROWS, measure_compiled_budget
 from ckpt_tools.overhead import measure_overhead
-from ckpt_tools.workloads import MODELS, MODES, ModelSpec, Run, build
+from ckpt_tools.workloads import MODELS, MODES, PRECISIONS, ModelSpec, Run, build
 
-__all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build", "main", "pareto_front"]
+__all__ = ["MODELS", "MODES", "QUICK_MODES", "ModelSpec", "Run", "build", "main", "pareto_front", "write_results"]
 
 MiB = 2**20
 EXTRAS = ("overhead", "compiled")
+# --quick: one of each kind of mode, ckpt=auto at 0.5 on the GPT only (planning the ResNet's op groups
+# takes 15-30 s on 2 cores, auto_min and the small budgets longer), so that the run ends in under two
+# minutes on 2 cores (README, Benchmarks).
+QUICK_MODES = ("none", "hand", "full", "every_n_2", "segments_sqrt", "selective", "auto_0.5", "offload")
+QUICK_SKIPS = {"resnet": ("auto_0.5",)}
 
 def _is_auto(mode: str) -> bool:
     """Planned for a budget (ckpt=auto, segments=optimal): a budget it cannot meet is a result, not a crash."""
@@ -77,31 +92,41 @@ def measure_model(
     spec = MODELS[name]
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Run] = {}
+    cuda = torch.device(args.device).type == "cuda"
     for mode in modes:
         bar.set_postfix_str(f"{name} {mode}: memory, FLOPs")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                run = build(spec, mode, args.quick)
+                run = build(spec, mode, args.quick, device=args.device, sizes=args.sizes.get(name),
+                            precision=args.precision)
                 run.step()  # warm-up: lazy initialisation (and auto's profiling of the first batch)
-            except ValueError as err:
-                if not _is_auto(mode):
+                mem = cuda_step_memory(run) if cuda else step_memory(run.step, run.model)
+                flops = step_flops(run.step)
+            except Exception as err:
+                # A budget the planner cannot meet is a result, not a crash: the row says so. With
+                # --keep-going (the GPU check's first run on a new machine) so is any other failure.
+                refused = isinstance(err, ValueError) and _is_auto(mode)
+                if mode == "none" or not (refused or args.keep_going):  # every ratio is to none
                     raise
-                # A budget the planner cannot meet is a result, not a crash: the row says so.
                 rows[mode] = dict.fromkeys(("peak_bytes", "act_peak_bytes", "flops_ratio", "time_ratio")) | {
-                    "error": str(err)
+                    "error": f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
                 }
+                run = None  # the failed mode's model and tensors, freed now
+                gc.collect()
+                if cuda:  # what the failed mode allocated (an out-of-memory) must not count against the next
+                    torch.cuda.empty_cache()
                 bar.update(1 + args.repeats)
                 continue
-            mem = step_memory(run.step, run.model)
-            flops = step_flops(run.step)
         # Offload warns once per process that on CPU it has nothing to move; say it on every offload row.
         notes = [n for n in dict.fromkeys(str(w.message) for w in caught) if n != NOTHING_TO_MOVE]
-        if mode == "offload":  # the bench runs on CPU
+        if mode == "offload" and not cuda:
             notes.insert(0, "on CPU the saved activations already live in host memory: offload moves nothing here")
         runs[mode] = run
         rows[mode] = {"peak_bytes": mem["total"], "act_peak_bytes": mem["act"], "flops": flops,
                       "wrapped": run.wrapped, "notes": notes}
+        if cuda:
+            rows[mode]["forward_kept_bytes"] = mem["act"]
         if run.planned is not None:  # auto, optimal: what the planner predicted, and what planning cost
             rows[mode] |= {"predicted_peak_bytes": run.planned.predicted_peak,
                            "predicted_time_ratio": getattr(run.planned, "predicted_time_ratio", None),
@@ -122,6 +147,35 @@ def measure_model(
         if "predicted_peak_bytes" in row:
             row["predicted_over_measured_peak"] = row["predicted_peak_bytes"] / row["act_peak_bytes"]
     return {mode: rows[mode] for mode in modes}, dict(runs["none"].model.hparams)
+
+
+def cuda_step_memory(run: Run) -> dict[str, int]:
+    """One step's CUDA peak as if the model were alone on the device, and what its forward keeps there.
+
+    ``total``: ``torch.cuda.max_memory_allocated`` during the step, less what was
+    allocated before it (the other modes' models, still resident for the timing),
+    plus this model's parameters and buffers. ``act``: the bytes allocated at the
+    end of the forward (the loss computed) beyond those before it: the saved
+    activations that stay on the device (``offload`` moves them to pinned host
+    memory). Both are counts of the caching allocator's allocations, not of the
+    memory it reserves.
+    """
+    device = run.device
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for t in itertools.chain(run.model.parameters(), run.model.buffers())}
+    gc.collect()
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = run.loss()
+    torch.cuda.synchronize(device)  # offload's copies on its side stream have run
+    kept = torch.cuda.memory_allocated(device) - start
+    loss.backward()
+    del loss
+    run.model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - start + sum(state.values())
+    return {"total": peak, "act": kept}
 
 
 def time_steps(
@@ -168,13 +222,20 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     return front
 
 
-def write_plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+def write_plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> str | None:
     """Activation peak against step time per model, labelled points, Pareto frontier drawn.
 
     The frontier is that of the fixed modes; auto's points, drawn apart, should lie on or beyond it.
+    Returns why it drew nothing (matplotlib missing, no row timed), or None once ``path`` is written.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:  # an optional dependency: the tables are the results, the plot a view of them
+        return f"plot.png skipped: matplotlib cannot be imported ({err}); pip install 'ckpt-plugin[bench]'"
+    results = {m: rows for m, rows in results.items() if any(r["time_ratio"] is not None for r in rows.values())}
+    if not results:
+        return "plot.png skipped: no mode has a step time"
 
     fig = Figure(figsize=(6 * len(results), 4.8))
     FigureCanvasAgg(fig)  # Agg, without touching pyplot's global backend
@@ -203,17 +264,28 @@ def write_plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Non
         ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return None
 
 
 def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup: dict[str, str],
-             overhead: dict[str, Any] | None = None, compiled: dict[str, Any] | None = None) -> str:
+             overhead: dict[str, Any] | None = None, compiled: dict[str, Any] | None = None,
+             device: str = "cpu") -> str:
     lines = ["# ckpt-bench results", "", "```bash", command, "```", ""]
-    lines += [f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads. "
-              "Peaks from MemTracker, FLOPs from FlopCounterMode (one step each); "
-              "time ratio: medians (and fastest) of interleaved steps in one process.", "",
-              "Peaks are exact. The act peak is MemTracker's activation category, with every tensor a "
-              "recomputation makes counted as an activation (MemTracker alone counts it so only inside a "
-              "module whose own forward hooks run again, as in `hand`; see `_compat.CategoryPeakTracker`).", ""]
+    if torch.device(device).type == "cuda":
+        lines += [f"torch {torch.__version__}, {torch.cuda.get_device_name(torch.device(device))}. "
+                  "Peaks from torch.cuda.max_memory_allocated, FLOPs from FlopCounterMode (one step each); "
+                  "time ratio: medians (and fastest) of interleaved steps in one process, each step synchronised.",
+                  "",
+                  "The total peak is the step's, as if its model were alone on the device (parameters and buffers "
+                  "included). The act peak is what the forward leaves allocated on the device when the loss is "
+                  "computed: the saved activations that stay there (`offload` moves them to pinned host memory).", ""]
+    else:
+        lines += [f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads. "
+                  "Peaks from MemTracker, FLOPs from FlopCounterMode (one step each); "
+                  "time ratio: medians (and fastest) of interleaved steps in one process.", "",
+                  "Peaks are exact. The act peak is MemTracker's activation category, with every tensor a "
+                  "recomputation makes counted as an activation (MemTracker alone counts it so only inside a "
+                  "module whose own forward hooks run again, as in `hand`; see `_compat.CategoryPeakTracker`).", ""]
     for model, rows in results.items():
         lines += [f"## {model}", "", setup[model], ""]
         lines += ["| mode | act peak (MiB) | act / none | total peak (MiB) | total / none | FLOP ratio "
@@ -319,26 +391,62 @@ def _mode_problems(modes: list[str]) -> list[str]:
     return problems
 
 
+def _parse_sizes(value: str, name: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """``n_layer=16,n_embd=2048`` -> constructor keywords of the model, each checked against its signature."""
+    valid = [k for k in inspect.signature(MODELS[name].plain.__init__).parameters if k != "self"]
+    sizes = {}
+    for item in filter(None, (v.strip() for v in value.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or key not in valid:
+            parser.error(f"--{name}: {key!r} is not a keyword of {MODELS[name].plain.__name__}; valid, closest "
+                         f"first: {', '.join(closest_first(key, valid))}")
+        try:
+            sizes[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            parser.error(f"--{name}: {key}={raw!r} is not a Python literal (a number, a tuple, True/False)")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckpt-bench", description="Every activation-checkpointing mode on the example GPT and ResNet: "
         "activation and total peak memory, FLOP ratio and step-time ratio to no checkpointing."
     )
     parser.add_argument("--out", type=Path, default=Path("bench"),
-                        help="directory for results.json, results.md, plot.png")
-    parser.add_argument("--quick", action="store_true", help="small models and fewer timing rounds (under two minutes)")
+                        help="directory for results.json, results.md, plot.png (the plot needs matplotlib; "
+                        "without it the tables are written and the plot skipped)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"under two minutes on 2 CPU cores: small models, the modes {','.join(QUICK_MODES)} "
+                        "(ckpt=auto at 0.5 on the GPT only: auto's other budgets and the ResNet's op groups plan "
+                        "for longer), 2 timing rounds, and --skip compiled")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"comma-separated subset of {','.join(MODES)} (none is always measured: the reference)")
-    parser.add_argument("--repeats", type=int, default=None, help="timing rounds over all modes (default 5, --quick 3)")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated subset of {','.join(MODES)} (default: all of them; --quick: "
+                        f"{','.join(QUICK_MODES)}; none is always measured: the reference)")
+    parser.add_argument("--repeats", type=int, default=None, help="timing rounds over all modes (default 5, --quick 2)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per mode per round, at least (default 2, --quick 3)")
+                        help="timed steps per mode per round, at least (default 2, --quick 2)")
     parser.add_argument("--min-seconds", type=float, default=None,
-                        help="time per mode per round, at least (default 1.0, --quick 0.2)")
-    parser.add_argument("--skip", default="",
+                        help="time per mode per round, at least (default 1.0, --quick 0.1)")
+    parser.add_argument("--skip", default=None,
                         help=f"comma-separated extras to leave out: {', '.join(EXTRAS)} (overhead: the plugin "
                         "over hand-written checkpoint on a tiny GPT; compiled: torch.compile with "
-                        "activation_memory_budget=0.5 beside ckpt=auto 0.5, minutes)")
+                        "activation_memory_budget=0.5 beside ckpt=auto 0.5, minutes; --quick skips it unless "
+                        "--skip says otherwise, e.g. --skip '')")
+    parser.add_argument("--device", default="cpu",
+                        help="where the models run: cpu, cuda or cuda:N (on CUDA the peaks are "
+                        "torch.cuda.max_memory_allocated's and offload moves to pinned host memory)")
+    parser.add_argument("--precision", default="32", choices=list(PRECISIONS),
+                        help="32, or bf16-mixed: the forward under torch.autocast(bfloat16), as Lightning's "
+                        "precision='bf16-mixed' runs it")
+    for name, spec in MODELS.items():
+        parser.add_argument(f"--{name}", default="", metavar="KEY=VALUE,...",
+                            help=f"{spec.plain.__name__} constructor keywords over the default (or --quick) size, "
+                            "e.g. n_layer=16,n_embd=2048" if name == "gpt" else
+                            f"{spec.plain.__name__} constructor keywords over the default (or --quick) size")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a mode that fails (an out-of-memory, an error on a new torch) becomes a row naming "
+                        "the error instead of ending the run; none must run")
     return parser
 
 
@@ -346,35 +454,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
-    args.steps = args.steps if args.steps is not None else (3 if args.quick else 2)
-    args.min_seconds = args.min_seconds if args.min_seconds is not None else (0.2 if args.quick else 1.0)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    args.steps = args.steps if args.steps is not None else 2
+    args.min_seconds = args.min_seconds if args.min_seconds is not None else (0.1 if args.quick else 1.0)
+    args.skip = args.skip if args.skip is not None else ("compiled" if args.quick else "")
     for flag in ("repeats", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}={getattr(args, flag)} must be >= 1")
     if args.min_seconds < 0:
         parser.error(f"--min-seconds={args.min_seconds} must be >= 0")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        parser.error(f"--device={args.device!r}: {err}; valid: cpu, cuda, cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device={args.device!r} is not one of cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device={args.device}: torch {torch.__version__} sees no CUDA device")
     models = _parse_list(args.models, list(MODELS), "--models", parser)
-    modes = _parse_list(args.modes, list(MODES), "--modes", parser)
+    default_modes = QUICK_MODES if args.quick else tuple(MODES)
+    modes = _parse_list(args.modes or ",".join(default_modes), list(MODES), "--modes", parser)
     if "none" not in modes:
         modes.insert(0, "none")  # every ratio is to it
+    args.sizes = {name: _parse_sizes(getattr(args, name), name, parser) for name in MODELS}
     skipped = _parse_list(args.skip, EXTRAS, "--skip", parser) if args.skip.strip() else []
     problems = _mode_problems(modes)
-    if importlib.util.find_spec("matplotlib") is None:  # found out now, not after minutes of measuring
-        problems.append("plot.png needs matplotlib: pip install 'ckpt-plugin[bench]' (or pip install matplotlib)")
     if problems:
         parser.error("\n  ".join(["cannot run:", *problems]))
 
     command = command_line(argv)
     results, setup = {}, {}
-    total = len(models) * len(modes) * (1 + args.repeats)
+    # --quick's default modes leave out what is slow on one model; modes typed with --modes run everywhere.
+    per_model = {name: [m for m in modes if args.modes or m not in QUICK_SKIPS.get(name, ())] if args.quick
+                 else modes for name in models}
+    total = sum(len(m) for m in per_model.values()) * (1 + args.repeats)
     with tqdm(total=total, desc="ckpt-bench", unit="run", file=sys.stderr) as bar:
         for name in models:
             spec = MODELS[name]
-            results[name], hparams = measure_model(name, modes, args, bar)
+            results[name], hparams = measure_model(name, per_model[name], args, bar)
             setup[name] = (f"{spec.plain.__name__}({', '.join(f'{k}={v}' for k, v in hparams.items())}); "
-                           f"layers={spec.layers}; timing: {args.repeats} rounds, each mode at least "
-                           f"{args.steps} steps and {args.min_seconds:g} s per round.")
+                           f"layers={spec.layers}; {args.device}, precision {args.precision}; timing: "
+                           f"{args.repeats} rounds, each mode at least {args.steps} steps and "
+                           f"{args.min_seconds:g} s per round.")
 
     overhead = compiled = None
     if "overhead" not in skipped:
@@ -384,15 +505,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ckpt-bench: torch.compile: torch's activation_memory_budget and the plugin's modes, compiled "
               f"({2 + len(PLUGIN_ROWS)} compiles: minutes)", file=sys.stderr)
         compiled = measure_compiled_budget(quick=args.quick, rounds=5, steps=1, plugin=list(PLUGIN_ROWS))
-    args.out.mkdir(parents=True, exist_ok=True)
     extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled)) if v is not None}
-    (args.out / "results.json").write_text(json.dumps(results | extras, indent=2, default=str) + "\n")
-    table = markdown(results, command, setup, overhead, compiled)
-    (args.out / "results.md").write_text(table)
-    write_plot(results, args.out / "plot.png")
+    table = markdown(results, command, setup, overhead, compiled, device=args.device)
     print(table)
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / 'plot.png'}")
+    written = write_results(args.out, results | extras, table)
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
+
+
+def write_results(out: Path, results: dict[str, Any], table: str) -> list[Path]:
+    """``results.json``, ``results.md`` and, where matplotlib imports, ``plot.png`` into ``out``; what it wrote.
+
+    A plot it cannot draw is one line on stderr saying why, never a failed run: the numbers are in the tables.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "results.md").write_text(table)
+    written = [out / "results.json", out / "results.md"]
+    skipped = write_plot({m: rows for m, rows in results.items() if m in MODELS}, out / "plot.png")
+    if skipped is None:
+        written.append(out / "plot.png")
+    else:
+        print(f"ckpt-bench: {skipped}", file=sys.stderr)
+    return written
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ A module of its own so that the two tools share it without importing each other.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 from collections.abc import Callable
@@ -107,6 +108,10 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+# Lightning's precision names -> the autocast dtype of the forward (None: no autocast).
+PRECISIONS: dict[str, torch.dtype | None] = {"32": None, "bf16-mixed": torch.bfloat16}
+
+
 @dataclass
 class Run:
     """One mode of one model: a fresh model, its batch and what was wrapped.
@@ -121,27 +126,56 @@ class Run:
     wrapped: int
     planned: Any = None
     planning_peak_bytes: int | None = None
+    autocast: torch.dtype | None = None  # bf16-mixed: the forward under torch.autocast, as Lightning runs it
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch[0].device
+
+    def loss(self) -> torch.Tensor:
+        """The forward and loss, under autocast where the precision asks for it."""
+        if self.autocast is None:
+            return self.model.loss(self.batch)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.model.loss(self.batch)
 
     def step(self) -> None:
-        self.model.loss(self.batch).backward()
+        self.loss().backward()
         self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":  # kernels run asynchronously: a step is timed when it has run
+            torch.cuda.synchronize(self.device)
 
 
-def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0) -> Run:
+def build(spec: ModelSpec, mode: str, quick: bool, seed: int = 0, *, device: str | torch.device = "cpu",
+          sizes: dict[str, Any] | None = None, precision: str = "32") -> Run:
+    """A fresh model for ``mode``: the default size, ``--quick``'s, then ``sizes`` over either; on ``device``.
+
+    ``precision``: ``"32"`` or ``"bf16-mixed"`` (the forward under ``torch.autocast``, weights in fp32).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     torch.manual_seed(seed)  # the same weights in every mode
     keys = MODES[mode]
-    model = (spec.hand if keys is None else spec.plain)(**(spec.quick if quick else {}))
+    device = torch.device(device)
+    # Parameters made where they run: a GPU-sized model is not built on the CPU first.
+    with device if device.type != "cpu" else contextlib.nullcontext():
+        model = (spec.hand if keys is None else spec.plain)(**(spec.quick if quick else {}) | (sizes or {}))
     model.train()
-    batch = spec.batch(model, torch.Generator().manual_seed(seed + 1))
+    # Drawn on the CPU's generator, then moved: the same batch on every device.
+    batch = tuple(t.to(device) for t in spec.batch(model, torch.Generator().manual_seed(seed + 1)))
+    run = Run(model, batch, 0, autocast=PRECISIONS[precision])
     if keys is None:
-        return Run(model, batch, sum(type(m).__name__ == spec.layers for m in model.modules()))
+        run.wrapped = sum(type(m).__name__ == spec.layers for m in model.modules())
+        return run
     config = make_config(layers=list(spec.auto_layers or [spec.layers]) if keys["mode"] == "auto" else spec.layers,
                          **keys)
     if not isinstance(config, AutoConfig) and getattr(config, "segments", None) != "optimal":
-        return Run(model, batch, len(apply_config(model, config)))
-    # Planned on the bench's own batch and loss, as a user's training step would be.
-    plan, grown = peak_growth(lambda: plan_for(model, config, lambda: model.loss(batch)))
-    return Run(model, batch, len(install(model, plan)), plan.planned, grown)
+        run.wrapped = len(apply_config(model, config))
+        return run
+    # Planned on the bench's own batch and loss (and precision), as a user's training step would be.
+    plan, run.planning_peak_bytes = peak_growth(lambda: plan_for(model, config, run.loss))
+    run.wrapped, run.planned = len(install(model, plan)), plan.planned
+    return run
 
 
 def peak_growth(fn: Callable[[], T]) -> tuple[T, int | None]:
@@ -167,4 +201,4 @@ def _status_kib(field: str) -> int:
     return int(match[1])
 
 
-__all__ = ["MODELS", "MODES", "ModelSpec", "Run", "build", "peak_growth"]
+__all__ = ["MODELS", "MODES", "PRECISIONS", "ModelSpec", "Run", "build", "peak_growth"]

@@ -1,0 +1,503 @@
+"""A GPU check in one command: the CUDA-only tests, a core subset and ``ckpt-bench`` on the GPU, in minutes.
+
+The GPU machines within reach run their own torch and Lightning, lack hydra-core,
+omegaconf and torchdata, and reach no package registry (DESIGN.md, environment
+facts). So the check carries small pure-Python wheels for what they lack. Here,
+with network, once (``.whl/`` is git-ignored: it travels only when carried)::
+
+    python -m ckpt_tools.gpu_check --fetch-wheels .whl
+
+On the GPU machine, from the repository root (the project is not installed there;
+``.whl`` carried beside the working tree), at most 8 minutes::
+
+    python3 -m ckpt_tools.gpu_check --wheels .whl --out $OUT
+
+Anywhere, on CPU, tiny sizes and a seconds-long test subset (CI, and
+``tests/test_gpu_check.py``)::
+
+    python -m ckpt_tools.gpu_check --dry-run --out /tmp/gpu_check
+
+Each step runs in a process of its own with its own time limit (and all of them
+within ``--deadline``), its output captured into a log; a failed step is reported
+and the next one runs. The steps: the wheels installed into ``--site`` (put first on
+the path, then the repository root, for every step); the environment (torch, CUDA
+device, Lightning, Python); pinned host <-> device copy bandwidth; the tests that skip
+without CUDA (found by :func:`cuda_tests`) and a core subset (:data:`CORE_TESTS`);
+``ckpt-bench`` on the example GPT at a size that keeps a GPU busy (:data:`GPU_GPT`,
+bf16-mixed) for ``none``, ``full``, ``selective`` and ``offload``, then ``auto`` at 0.5
+in a run of its own (planning on a new machine may be slow: it must not cost the
+others). Offload's overlap is read off the bench: its step time against ``none``'s
+and the bytes the forward leaves on the device, against the time the moved bytes
+take to copy at the measured bandwidth.
+
+Into ``--out`` (at most 8 files): ``summary.md`` (every table), ``results.json``,
+``setup.log``, ``tests.log``, ``bench.log`` and the bench's ``plot.png`` where it drew one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = ROOT / "requirements" / "test.lock"
+# What the package needs (pyproject's dependencies) that the GPU machines lack: torch, lightning, numpy and tqdm
+# are theirs. torchdata's own requirements (requests, urllib3) are not imported by the StatefulDataLoader we use.
+WHEELS = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "torchdata")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "any")  # the GPU machines: x86-64, Python 3.12
+
+# The core subset: the engine, policies, segments, offload's copy path, scan, measuring, auto's planner and
+# Hydra composition (proves the carried wheels), none needing what the GPU machines lack (hypothesis,
+# deepspeed, jsonargparse, transformers >= 5.23). CPU tests: they show the package works on that torch.
+CORE_TESTS = ("tests/test_api.py", "tests/test_correctness.py", "tests/test_policies.py", "tests/test_segments.py",
+              "tests/test_memory_flops.py", "tests/test_compat.py", "tests/test_offload.py", "tests/test_scan.py",
+              "tests/test_auto.py", "tests/test_hydra.py")
+DRY_TESTS = ("tests/test_memory_flops.py",)  # --dry-run: seconds
+
+# The example GPT at a size that keeps an H100 busy and fits 80 GB without checkpointing, bf16-mixed:
+# 805 M parameters (3.2 GB fp32, as many for gradients), ~1.4 GB of saved activations per block at
+# 16 x 1024 tokens (~22 GB in all); four models stay resident for the interleaved timing (~13 GB).
+GPU_GPT = "n_layer=16,n_embd=2048,n_head=16,block_size=1024,batch_size=16"
+DRY_GPT = "n_layer=2,n_embd=32,n_head=2,block_size=32,batch_size=2"
+BENCH_MODES = ("none", "full", "selective", "offload")
+AUTO_MODES = ("auto_0.5",)
+TABLE_MODES = (*BENCH_MODES, *AUTO_MODES)
+
+# Seconds per step, each also cut to what is left of --deadline (the whole check's limit).
+LIMITS = {"install": 60, "env": 60, "bandwidth": 60, "cuda tests": 120, "core tests": 150, "tests": 150,
+          "bench": 200, "bench auto": 180}
+MiB = 2**20
+
+_ENV = r"""
+import importlib.metadata as md, importlib.util, json, platform, sys
+info = {"python": platform.python_version(), "executable": sys.executable}
+import torch
+info |= {"torch": torch.__version__, "torch cuda": torch.version.cuda, "cuda available": torch.cuda.is_available()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info |= {"device": torch.cuda.get_device_name(0), "device memory (GiB)": round(p.total_memory / 2**30, 1),
+             "capability": f"{p.major}.{p.minor}", "devices": torch.cuda.device_count()}
+# Versions from the distributions' metadata (importing transformers or matplotlib costs seconds).
+for name in ("lightning", "pytorch-lightning", "hydra-core", "omegaconf", "antlr4-python3-runtime", "torchdata",
+             "transformers", "matplotlib", "pytest", "pytest-xdist"):
+    try:
+        info[name] = md.version(name)
+    except md.PackageNotFoundError:
+        info[name] = "missing"
+for name in ("ckpt_plugin", "hydra_plugins.ckpt_plugin_searchpath"):  # from the checkout, not installed there
+    spec = importlib.util.find_spec(name)
+    info[name] = spec.origin if spec else "cannot import"
+print("GPU_CHECK_ENV " + json.dumps(info))
+"""
+
+# Pinned host <-> device copies of 1 GiB, the fastest of 5: what offload's copies cost without overlap.
+_BANDWIDTH = r"""
+import json, time, torch
+n = 2**30
+dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+def best(copy):
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize(); t0 = time.perf_counter(); copy(); torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return n / min(times)
+out = {"d2h_bytes_per_s": best(lambda: host.copy_(dev, non_blocking=True)),
+       "h2d_bytes_per_s": best(lambda: dev.copy_(host, non_blocking=True))}
+print("GPU_CHECK_BANDWIDTH " + json.dumps(out))
+"""
+
+
+@dataclass
+class Step:
+    """One step's process: what ran, how it ended, where its output is."""
+
+    name: str
+    command: list[str]
+    log: str
+    limit_s: float
+    returncode: int | None = None  # None: not started (no time was left)
+    seconds: float = 0.0
+    timed_out: bool = False
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.returncode is None:
+            return f"not run: {self.note}" if self.note else "not run"
+        if self.timed_out:
+            return f"timed out after {self.limit_s:.0f} s"
+        return "ok" if self.returncode == 0 else f"failed (exit {self.returncode})"
+
+
+@dataclass
+class Check:
+    """The run: its folders, its deadline and the steps so far."""
+
+    out: Path
+    work: Path
+    env: dict[str, str]
+    deadline: float  # time.monotonic() by which the last step must end
+    steps: list[Step] = field(default_factory=list)
+
+    def run(self, name: str, command: list[str], log: str) -> Step:
+        """Run ``command`` in the repository root, output appended to ``out/log``, within its limit."""
+        left = self.deadline - time.monotonic()
+        step = Step(name, command, log, max(0.0, min(LIMITS[name], left)))
+        self.steps.append(step)
+        if step.limit_s < 5:
+            step.note = "the check's deadline came first"
+            return step
+        with open(self.out / log, "a") as f:
+            f.write(f"\n===== {name}: {' '.join(command)} (limit {step.limit_s:.0f} s)\n")
+            f.flush()
+            start = time.monotonic()
+            # A session of its own, so that a step past its limit is ended with every process it started.
+            proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                step.returncode = proc.wait(timeout=step.limit_s)
+            except subprocess.TimeoutExpired:
+                step.timed_out = True
+                _end(proc)
+                step.returncode = proc.returncode
+            step.seconds = time.monotonic() - start
+            f.write(f"===== {name}: {step.status}, {step.seconds:.1f} s\n")
+        return step
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """SIGTERM to the step's process group, SIGKILL 10 s later if it is still there."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def locked_versions(names: tuple[str, ...] = WHEELS, lock: Path = LOCK) -> dict[str, str]:
+    """``{name: version}`` of ``names`` as ``requirements/test.lock`` pins them."""
+    pins = {}
+    for line in lock.read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith("#"):
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    missing = [n for n in names if n not in pins]
+    if missing:
+        raise SystemExit(f"gpu_check: {', '.join(missing)} not pinned in {lock}")
+    return {n: pins[n] for n in names}
+
+
+def fetch_wheels(dest: Path) -> list[Path]:
+    """Download the wheels the GPU machines lack, at the lock's versions, for CPython 3.12 on x86-64.
+
+    A distribution published only as an sdist (antlr4-python3-runtime 4.9.3) is built into a wheel here:
+    it is pure Python, so the wheel built on this machine installs there.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    for name, version in locked_versions().items():
+        spec = f"{name}=={version}"
+        got = subprocess.run([*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                              "--implementation", "cp", *platforms, "-d", str(dest), spec])
+        if got.returncode != 0:
+            print(f"gpu_check: no wheel of {spec} for Python 3.12: building one from its sdist", file=sys.stderr)
+            subprocess.run([*pip, "wheel", "--no-deps", "-w", str(dest), spec], check=True)
+    wheels = sorted(dest.glob("*.whl"))
+    impure = [w.name for w in wheels if not w.name.endswith("-none-any.whl")]
+    if impure:
+        raise SystemExit(f"gpu_check: not pure-Python, may not install on the GPU machine: {', '.join(impure)}")
+    return wheels
+
+
+def cuda_tests(tests: Path = ROOT / "tests") -> list[str]:
+    """Node ids of the tests that skip without CUDA: a decorator or ``pytestmark`` that names cuda.
+
+    The same rule as ``grep -n cuda`` over the decorators (``@needs_cuda``,
+    ``@pytest.mark.skipif(not torch.cuda.is_available(), ...)``), read from the syntax tree.
+    """
+    ids = []
+    for path in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        rel = path.relative_to(tests.parent).as_posix()
+        whole = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                    and "cuda" in ast.unparse(n.value).lower() for n in tree.body)
+
+        def visit(body: list[ast.stmt], prefix: str, marked: bool) -> None:
+            for node in body:
+                if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                    visit(node.body, f"{prefix}::{node.name}", marked or _names_cuda(node))
+                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                    if marked or _names_cuda(node):
+                        ids.append(f"{prefix}::{node.name}")
+
+        visit(tree.body, rel, whole)
+    return ids
+
+
+def _names_cuda(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool:
+    return any("cuda" in ast.unparse(d).lower() for d in node.decorator_list)
+
+
+def junit(path: Path) -> list[dict[str, Any]]:
+    """One row per test of a pytest ``--junitxml`` file: id, outcome, seconds, message."""
+    if not path.is_file():
+        return []
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        # classname is tests.test_x or tests.test_x.TestY: the file is the part that names a test_*.py.
+        parts = module.split("/")
+        k = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
+        node = "/".join(parts[: k + 1]) + ".py" + "".join(f"::{p}" for p in parts[k + 1:]) + f"::{case.get('name')}"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = (child.get("message") or "").splitlines()[0][:200] if child.get("message") else ""
+                break
+        rows.append({"id": node, "outcome": outcome, "seconds": float(case.get("time", 0)), "message": message})
+    return rows
+
+
+def _marked(log: Path, marker: str) -> dict[str, Any] | None:
+    """The JSON a step printed after ``marker`` (the last one), or None."""
+    found = None
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(marker + " "):
+                found = json.loads(line[len(marker) + 1:])
+    return found
+
+
+def offload_overlap(rows: dict[str, dict[str, Any]], bandwidth: dict[str, float] | None) -> dict[str, Any] | None:
+    """Offload against none on the bench's GPT: step times, bytes left on the device, the copies' share hidden.
+
+    ``hidden``: 1 - (offload's added step time) / (the moved bytes' copy time out and back at the measured
+    bandwidth): 1 when the copies cost nothing, 0 when they cost what they would serially.
+    """
+    none, off = rows.get("none"), rows.get("offload")
+    if not none or not off or off.get("step_seconds") is None or none.get("step_seconds") is None:
+        return None
+    result = {"none_step_s": none["step_seconds"], "offload_step_s": off["step_seconds"],
+              "added_s": off["step_seconds"] - none["step_seconds"],
+              "none_kept_bytes": none.get("forward_kept_bytes"), "offload_kept_bytes": off.get("forward_kept_bytes"),
+              "none_peak_bytes": none["peak_bytes"], "offload_peak_bytes": off["peak_bytes"],
+              "moved_bytes": None, "copy_s": None, "hidden": None}
+    if result["none_kept_bytes"] is not None and result["offload_kept_bytes"] is not None:
+        result["moved_bytes"] = moved = result["none_kept_bytes"] - result["offload_kept_bytes"]
+        if bandwidth and moved > 0:
+            result["copy_s"] = moved / bandwidth["d2h_bytes_per_s"] + moved / bandwidth["h2d_bytes_per_s"]
+            result["hidden"] = 1 - result["added_s"] / result["copy_s"]
+    return result
+
+
+def _mib(n: float | None) -> str:
+    return "–" if n is None else f"{n / MiB:.1f}"
+
+
+def summary(results: dict[str, Any]) -> str:
+    """Every table of the check, as markdown."""
+    env = results["env"] or {}
+    lines = ["# GPU check", "", "```bash", results["command"], "```", "",
+             f"{'Dry run on CPU (tiny sizes). ' if results['dry_run'] else ''}"
+             f"{results['seconds']:.0f} s in all, {results['started']}.", "", "## Environment", "",
+             "| what | version |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()] or ["| (the environment step printed nothing) | |"]
+    lines += ["", "## Steps", "", "| step | status | seconds | log |", "|---|---|---:|---|"]
+    lines += [f"| {s['name']} | {Step(**s).status} | {s['seconds']:.1f} | {s['log']} |" for s in results["steps"]]
+    tests = results["tests"]
+    lines += ["", "## CUDA-only tests", "", "| test | outcome | seconds | message |", "|---|---|---:|---|"]
+    lines += [f"| {r['id']} | {r['outcome']} | {r['seconds']:.2f} | {r['message']} |" for r in tests["cuda"]]
+    core = tests["core"]
+    lines += ["", "## Core subset", "", "| files | passed | failed | errors | skipped |", "|---|---:|---:|---:|---:|",
+              f"| {', '.join(f.removeprefix('tests/') for f in core['files'])} | {core['passed']} | {core['failed']} "
+              f"| {core['errors']} | {core['skipped']} |"]
+    if core["not_passed"]:
+        lines += ["", *(f"- {r['id']}: {r['outcome']}: {r['message']}" for r in core["not_passed"])]
+    bench = results["bench"]
+    lines += ["", "## ckpt-bench", "", bench["setup"], "",
+              "| mode | step (ms) | time / none | peak (MiB) | peak / none | kept by the forward (MiB) "
+              "| kept / none | FLOP ratio | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for mode in TABLE_MODES:
+        r = bench["rows"].get(mode)
+        if r is None:
+            lines.append(f"| {mode} | – | – | – | – | – | – | – | not measured: see the steps |")
+        elif r.get("error") or r.get("time_ratio") is None:
+            lines.append(f"| {mode} | – | – | – | – | – | – | – | {r.get('error', '')[:300]} |")
+        else:
+            kept = r.get("forward_kept_bytes", r["act_peak_bytes"])
+            lines.append(f"| {mode} | {r['step_seconds'] * 1e3:.1f} | {r['time_ratio']:.2f} | {_mib(r['peak_bytes'])} "
+                         f"| {r['peak_fraction']:.2f} | {_mib(kept)} | {r['act_fraction']:.2f} "
+                         f"| {r['flops_ratio']:.3f} | {'; '.join(r.get('notes', []))[:300]} |")
+    lines += ["", "Ratios are to `none` of the same bench run (auto's own run measures its `none` again). "
+              "On CUDA the peak is torch.cuda.max_memory_allocated's for the step, as if the model were alone; "
+              "'kept by the forward' is what the forward leaves allocated on the device. On CPU both are "
+              "MemTracker's (total and activation peaks)."]
+    bw, ov = results["bandwidth"], results["offload"]
+    lines += ["", "## Offload's overlap", ""]
+    if bw:
+        lines.append(f"Pinned copies of 1 GiB: device to host {bw['d2h_bytes_per_s'] / 1e9:.1f} GB/s, "
+                     f"host to device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s.")
+        lines.append("")
+    if ov is None:
+        lines.append("No offload and none rows with step times to compare (see the steps).")
+    else:
+        fmt = (lambda v, f: "–" if v is None else f.format(v))
+        lines += ["| none step (ms) | offload step (ms) | added (ms) | kept on device: none (MiB) | offload (MiB) "
+                  "| moved (MiB) | copies out and back, serial (ms) | share hidden |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {ov['none_step_s'] * 1e3:.1f} | {ov['offload_step_s'] * 1e3:.1f} | {ov['added_s'] * 1e3:.1f} "
+                  f"| {_mib(ov['none_kept_bytes'])} | {_mib(ov['offload_kept_bytes'])} | {_mib(ov['moved_bytes'])} "
+                  f"| {fmt(ov['copy_s'] and ov['copy_s'] * 1e3, '{:.1f}')} | {fmt(ov['hidden'], '{:.2f}')} |"]
+    return "\n".join(lines) + "\n"
+
+
+def _bench_command(modes: tuple[str, ...], out: Path, dry_run: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "ckpt_tools.bench", "--models", "gpt", "--modes", ",".join(modes),
+           "--skip", "overhead,compiled", "--keep-going", "--out", str(out)]
+    if dry_run:  # a tiny GPT on CPU, one step per mode: seconds
+        return [*cmd, "--gpt", DRY_GPT, "--repeats", "1", "--steps", "1", "--min-seconds", "0"]
+    return [*cmd, "--device", "cuda", "--precision", "bf16-mixed", "--gpt", GPU_GPT, "--repeats", "3", "--steps", "2",
+            "--min-seconds", "0"]
+
+
+def _pytest(ids: list[str] | tuple[str, ...], xml: Path, workers: int) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={xml}", *ids]
+    return [*cmd, "-n", str(workers)] if workers > 1 else cmd
+
+
+def check(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole pipeline; returns what it wrote into results.json."""
+    started, t0 = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.monotonic()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check-"))  # the bench's own files and pytest's XML: not in out
+    path = [str(ROOT)] if args.dry_run else [str(args.site), str(ROOT)]
+    sys.path[:0] = [p for p in path if p not in sys.path]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])]),
+               PYTHONUNBUFFERED="1")
+    run = Check(out, work, env, t0 + args.deadline)
+
+    if not args.dry_run:
+        wheels = sorted(args.wheels.glob("*.whl")) if args.wheels.is_dir() else []
+        if wheels:
+            run.run("install", [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                                "--no-compile", "--target", str(args.site), *map(str, wheels)], "setup.log")
+        else:
+            run.steps.append(Step("install", [], "setup.log", 0, note=f"no wheels in {args.wheels}: "
+                                  "python -m ckpt_tools.gpu_check --fetch-wheels .whl, then carry .whl"))
+    run.run("env", [sys.executable, "-c", _ENV], "setup.log")
+    envinfo = _marked(out / "setup.log", "GPU_CHECK_ENV")
+    bandwidth = None
+    if envinfo and envinfo.get("cuda available"):
+        run.run("bandwidth", [sys.executable, "-c", _BANDWIDTH], "setup.log")
+        bandwidth = _marked(out / "setup.log", "GPU_CHECK_BANDWIDTH")
+
+    # On the GPU each group has a process and a limit of its own; the dry run starts fewer processes (each
+    # pays the imports again), so that CI's test of it stays well under a minute.
+    cuda_ids = cuda_tests()
+    core_files = DRY_TESTS if args.dry_run else CORE_TESTS
+    if args.dry_run:
+        test_groups = [("tests", [*cuda_ids, *core_files], 1)]
+        bench_groups = [("bench", TABLE_MODES)]
+    else:
+        test_groups = [("cuda tests", cuda_ids, 1), ("core tests", list(core_files), args.workers)]
+        bench_groups = [("bench", BENCH_MODES), ("bench auto", AUTO_MODES)]
+    ran: list[dict[str, Any]] = []
+    for name, ids, workers in test_groups:
+        xml = work / f"{name.replace(' ', '_')}.xml"
+        run.run(name, _pytest(ids, xml, workers), "tests.log")
+        ran += junit(xml)
+    cuda = [r for r in ran if r["id"] in set(cuda_ids)]
+    core = [r for r in ran if r["id"] not in set(cuda_ids)]
+    counts = {k: sum(r["outcome"] == k for r in core) for k in ("passed", "failed", "error", "skipped")}
+
+    rows: dict[str, Any] = {}
+    for name, modes in bench_groups:
+        sub = work / name.replace(" ", "_")
+        run.run(name, _bench_command(modes, sub, args.dry_run), "bench.log")
+        if (sub / "results.json").is_file():
+            rows |= {m: r for m, r in json.loads((sub / "results.json").read_text()).get("gpt", {}).items()
+                     if m in modes}
+    if (work / "bench" / "plot.png").is_file():
+        (out / "plot.png").write_bytes((work / "bench" / "plot.png").read_bytes())
+    setup_line = ""
+    if (work / "bench" / "results.md").is_file():
+        setup_line = next((ln for ln in (work / "bench" / "results.md").read_text().splitlines()
+                           if ln.startswith("GPT(")), "")
+    results = {
+        "command": " ".join(["python -m ckpt_tools.gpu_check", *args.argv]),
+        "dry_run": args.dry_run, "started": started, "seconds": 0.0, "env": envinfo,
+        "steps": [asdict(s) for s in run.steps],
+        "tests": {"cuda": cuda,
+                  "core": {"files": list(core_files), "passed": counts["passed"], "failed": counts["failed"],
+                           "errors": counts["error"], "skipped": counts["skipped"],
+                           "not_passed": [r for r in core if r["outcome"] in ("failed", "error")]}},
+        "bench": {"setup": setup_line, "rows": rows},
+        "bandwidth": bandwidth,
+        "offload": offload_overlap(rows, bandwidth),
+    }
+    results["seconds"] = time.monotonic() - t0
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "summary.md").write_text(summary(results))
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ckpt_tools.gpu_check", description=__doc__.split("\n\n")[0],
+        epilog="Here: python -m ckpt_tools.gpu_check --fetch-wheels .whl. On the GPU machine (repository root, "
+        ".whl carried): python3 -m ckpt_tools.gpu_check --wheels .whl --out $OUT. On CPU: --dry-run.",
+    )
+    parser.add_argument("--fetch-wheels", type=Path, metavar="DIR",
+                        help="download (or build) the wheels the GPU machine lacks into DIR, then stop")
+    parser.add_argument("--wheels", type=Path, default=Path(".whl"), help="the carried wheels (default: .whl)")
+    parser.add_argument("--site", type=Path, default=Path("/tmp/site"),
+                        help="where the wheels are installed, first on every step's path (default: /tmp/site)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_check"),
+                        help="the folder for summary.md, results.json and the logs (default: $OUT, else gpu_check)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on CPU, the current environment, tiny sizes, a seconds-long test subset")
+    parser.add_argument("--deadline", type=float, default=450.0,
+                        help="seconds for the whole check; each step also has its own limit (default: 450)")
+    parser.add_argument("--workers", type=int, default=8, help="pytest-xdist processes for the core subset")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.fetch_wheels is not None:
+        for wheel in fetch_wheels(args.fetch_wheels):
+            print(wheel)
+        return 0
+    args.wheels, args.site = args.wheels.resolve(), args.site.resolve()
+    results = check(args)
+    print((args.out / "summary.md").read_text())
+    failed = [s["name"] for s in results["steps"] if Step(**s).status != "ok"]
+    print(f"gpu_check: wrote {args.out}; " + (f"steps not ok: {', '.join(failed)}" if failed else "every step ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
