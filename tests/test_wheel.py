@@ -21,7 +21,8 @@ The new venv borrows torch, Lightning and Hydra from the test environment instea
 a ``.pth`` file in its site-packages names the test environment's site-packages. Python adds a ``.pth``
 line to ``sys.path`` but does not process the ``.pth`` files inside the directory it names, so the
 editable install's finder (``__editable__.ckpt_plugin-*.pth``) stays out; the test checks where every
-package came from. About 35 s on 2 cores (the build 6 s, five processes at once).
+package came from. Its processes take about 31 s of CPU (the five after the install run at once); 44 s
+wall on 2 cores, about 65 s while other work loads them.
 """
 
 from __future__ import annotations
