@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import warm_python
 
-from ckpt_tools.bench import MODELS, MODES, build, main, pareto_front
+from ckpt_tools.bench import MODELS, MODES, QUICK_MODES, build, main, pareto_front
+
+ROOT = Path(__file__).resolve().parents[1]
 
 AUTO = {"segments_optimal": 0.5}  # planned for a budget (met on the GPT, refused on the ResNet)
 KEYS = ("peak_bytes", "act_peak_bytes", "flops_ratio", "time_ratio")
@@ -170,3 +175,63 @@ def test_unknown_mode_names_the_closest(capsys: pytest.CaptureFixture[str]) -> N
         main(["--modes", "none,ful", "--out", "unused"])
     assert err.value.code == 2
     assert "--modes: 'ful' is not one of them; valid, closest first: full" in capsys.readouterr().err
+
+
+def test_without_matplotlib_the_tables_are_written_and_the_plot_skipped(tmp_path: Path) -> None:
+    """A user's environment without matplotlib (an optional dependency), in a new interpreter.
+
+    The stand-in for that environment is a ``sitecustomize`` first on PYTHONPATH that makes matplotlib
+    absent as an uninstalled package is: ``import`` and ``find_spec`` raise ModuleNotFoundError and its
+    distribution's metadata is not found. A ``matplotlib/__init__.py`` that raises would not do:
+    torchmetrics (under Lightning) sees matplotlib's metadata, imports it and fails, which no user
+    without matplotlib sees.
+    """
+    site = tmp_path / "no_matplotlib"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import importlib.metadata as md, sys\n"
+        "class NoMatplotlib:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'matplotlib':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoMatplotlib)\n"
+        "_from_name = md.Distribution.from_name.__func__\n"
+        "def from_name(cls, name):\n"
+        "    if name.lower() == 'matplotlib':\n"
+        "        raise md.PackageNotFoundError(name)\n"
+        "    return _from_name(cls, name)\n"
+        "md.Distribution.from_name = classmethod(from_name)\n"
+    )
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    cmd = [sys.executable, "-m", "ckpt_tools.bench", "--models", "gpt", "--modes", "none,full", "--repeats", "1",
+           "--steps", "1", "--min-seconds", "0", "--skip", "overhead,compiled", "--out", "out",
+           "--gpt", "n_layer=2,n_embd=32,n_head=2,block_size=16,batch_size=2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["results.json", "results.md"]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(results["gpt"]) == ["none", "full"]
+    assert results["gpt"]["full"]["act_peak_bytes"] < results["gpt"]["none"]["act_peak_bytes"]
+    said = [line for line in proc.stderr.splitlines() if "plot.png" in line]
+    assert said == ["ckpt-bench: plot.png skipped: matplotlib cannot be imported (No module named 'matplotlib'); "
+                    "pip install 'ckpt-plugin[bench]'"]
+    assert "wrote out/results.json, out/results.md\n" in proc.stdout
+
+
+def test_size_keywords_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--gpt", "n_layers=2", "--out", "unused"])
+    assert err.value.code == 2
+    assert "--gpt: 'n_layers' is not a keyword of GPT; valid, closest first: n_layer" in capsys.readouterr().err
+
+
+def test_cuda_device_without_cuda_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--device", "cuda", "--out", "unused"])
+    assert err.value.code == 2
+    assert f"--device=cuda: torch {torch.__version__} sees no CUDA device" in capsys.readouterr().err
+
+
+def test_quick_modes_are_bench_modes() -> None:
+    assert set(QUICK_MODES) <= set(MODES) and QUICK_MODES[0] == "none"
