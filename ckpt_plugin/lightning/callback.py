@@ -32,11 +32,21 @@ One plan on every rank (``ckpt=auto``): under several processes rank 0 plans
 and ``trainer.strategy.broadcast`` hands its plan, as plain data, to every rank,
 which installs it. Under DDP without SyncBatchNorm the other ranks wait at the
 broadcast: the profile runs the LightningModule's own forward, which issues no
-collective. Under FSDP, FSDP2 and DeepSpeed (the forward gathers parameters)
-or with SyncBatchNorm (its forward all-gathers statistics) one rank alone would
-wait for the others forever, so every rank profiles in lockstep, as before, and
-installs rank 0's plan. Rank 0 writes the plan it installed to
-``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
+collective. With SyncBatchNorm (its forward all-gathers statistics) every rank
+profiles in lockstep and installs rank 0's plan. Rank 0 writes the plan it
+installed to ``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
+
+Under FSDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed, ``ckpt=auto`` does
+not plan: it is a ConfigError in ``setup`` (:func:`planning_refused`), before
+the strategy builds anything. The profile runs the LightningModule's forward
+and backward outside the strategy, on fake tensors: run with 2 gloo processes
+on CPU, FSDP's root parameters were 1-D shards ("'weight' must be 2-D"), FSDP2
+kept fake all-gathered parameters and trained the next step on them, and
+DeepSpeed's gradient hooks took fake gradients ("Cannot copy out of meta
+tensor"; ZeRO-1, 2 and 3). A plan made on one process or under DDP
+(``ckpt_plan.json``) installs there with ``ckpt.plan=``. The wrap report's
+fake forward is skipped where parameters are sharded (FSDP, FSDP2, ZeRO-3) for
+the same reason (:func:`sharded_parameters`).
 """
 
 from __future__ import annotations
@@ -196,6 +206,9 @@ class ActivationCheckpointing(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or isinstance(self.config, NoneConfig):
             return
+        refused = planning_refused(trainer.strategy, self.config)
+        if refused is not None:
+            raise refused
         try:
             _check_on(pl_module, self.config)
         except ConfigError:
@@ -240,6 +253,13 @@ class ActivationCheckpointing(pl.Callback):
                 f"{type(pl_module).__name__} to see the activation memory this saves.)"
             )
             return
+        sharded = sharded_parameters(trainer.strategy)
+        if sharded is not None:
+            rank_zero_info(f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
+                           f"{', '.join(self.wrapped)}. Their saved bytes are not reported under {sharded}: the "
+                           "report's forward on fake tensors would run into the parameters it shards.")
+            self._check_names()
+            return
         try:
             self.report = wrap_report(pl_module, self.wrapped, forward)
         except NotFakeable as err:  # counted on fake tensors or not at all: never on real ones
@@ -264,9 +284,9 @@ class ActivationCheckpointing(pl.Callback):
         alone = world == 1 or rank_zero_plans_alone(trainer.strategy, pl_module)
         plan = error = None
         if rank == 0 or not alone:
-            what = "rank 0 measures" if world > 1 and alone else (
-                "every rank measures in lockstep, rank 0's plan is installed" if world > 1 else "measuring")
-            rank_zero_info(f"ckpt=auto: {what} the candidate layers (memory on fake tensors, step time one layer "
+            who = "rank 0 measures" if world > 1 and alone else (
+                "every rank measures (in lockstep; rank 0's plan is installed)" if world > 1 else "measuring")
+            rank_zero_info(f"ckpt=auto: {who} the candidate layers (memory on fake tensors, step time one layer "
                            "at a time) to plan for ckpt.budget...")
             try:
                 plan = plan_for(pl_module, self.config, forward)
@@ -384,6 +404,47 @@ def rank_zero_plans_alone(strategy: Any, model: nn.Module) -> bool:
     if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy):
         return False
     return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
+def sharded_parameters(strategy: Any) -> str | None:
+    """The strategy's class name where the LightningModule's parameters are sharded between steps (FSDP,
+    FSDP2, DeepSpeed ZeRO-3): a forward of the module outside the strategy's own call meets shards, and
+    one on fake tensors leaves fake tensors in the strategy's state. Else None."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
+        return type(strategy).__name__
+    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+        return f"{type(strategy).__name__} (ZeRO stage 3)"
+    return None
+
+
+def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
+    """The error for ckpt=auto planning under FSDP, FSDP2 or DeepSpeed (every stage), else None.
+
+    The profile runs the LightningModule's forward and backward on fake tensors and times layers on real
+    ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): under
+    FSDP the root unit's parameters stay flat 1-D shards; FSDP2 keeps the fake all-gathered parameters
+    and runs the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) take the fake
+    gradients and fail in the first real backward. A given plan (ckpt.plan) runs no profile: allowed.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if not isinstance(config, AutoConfig) or config.plan is not None:
+        return None
+    name = sharded_parameters(strategy)
+    if name is None and isinstance(strategy, DeepSpeedStrategy):
+        name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
+    if name is None:
+        return None
+    return ConfigError([Problem(
+        "ckpt.mode",
+        f"ckpt.mode=auto cannot plan under trainer.strategy {name}: its profile runs the LightningModule's "
+        "forward and backward outside the strategy, which shards the parameters or hooks the gradients",
+        "plan with the same model and per-device batch on one process or under DDP (the ckpt=auto run writes "
+        "ckpt_plan.json in its log dir) and give that file here with ckpt.plan=<file>, or choose a fixed "
+        "mode (ckpt=full, ckpt=selective, ckpt=offload)",
+    )])
 
 
 def _as_data(error: BaseException) -> dict[str, Any]:

@@ -1,0 +1,141 @@
+"""ckpt=auto under the sharded strategies: two ranks (gloo on CPU), for tests/test_auto_sharded.py.
+
+    python tests/auto_sharded_worker.py OUT_DIR '{"fsdp": ["fsdp", {"mode": "auto", "budget": 0.5}]}'
+
+Each run fits the example GPT (SGD, so equal parameters after a step mean equal
+gradients) for one step under the named strategy with the given ckpt keys, or
+without the callback where the keys are null. Each rank writes
+``OUT_DIR/<run>/rank<r>.json`` (what it installed, or the error it raised) and
+``OUT_DIR/<run>/rank<r>.pt`` (the full parameters after the step). Errors are recorded, and the next
+run goes on in the same two processes (a ConfigError in setup is raised on every rank alike).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckpt_examples.gpt import GPT
+from ckpt_plugin import ActivationCheckpointing
+from ckpt_plugin.engine.wrap import CheckpointedForward
+
+SIZE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1, batch_size=2)
+
+
+class SGDGPT(GPT):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def model(strategy: str) -> GPT:
+    torch.manual_seed(7)
+    return SGDGPT(**SIZE, defer_init=strategy == "model_parallel")
+
+
+def data() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(96, (4, SIZE["block_size"]), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=2)
+
+
+def strategy_of(name: str) -> Any:
+    from cpu_strategies import CPUDeepSpeedStrategy, CPUFSDPStrategy
+
+    if name == "fsdp":  # one root unit: a wrap policy per block renames the blocks (blocks.0._fsdp_wrapped_module)
+        return CPUFSDPStrategy()
+    if name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+    if name.startswith("deepspeed_zero"):
+        return CPUDeepSpeedStrategy(stage=int(name[-1]))
+    return name
+
+
+class Seeded(pl.Callback):
+    """The same dropout masks in every run: seeded after ckpt=auto has planned (its timing draws numbers)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.manual_seed(100 + trainer.global_rank)
+
+
+def full_parameters(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if "FSDPStrategy" in name:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(strategy.model, writeback=False):
+            return {n: p.detach().clone() for n, p in module.named_parameters()}
+    if "DeepSpeed" in name:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
+    net = model(strategy)
+    callbacks: list[pl.Callback] = [Seeded()]
+    callback = None
+    if keys is not None:
+        callback = ActivationCheckpointing(layers="TransformerBlock", **keys)
+        callbacks.insert(0, callback)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_of(strategy), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, default_root_dir=out)
+    installed: dict[str, str] = {}
+
+    def record() -> None:  # after on_fit_start
+        for name, m in net.named_modules():
+            if isinstance(m.__dict__.get("forward"), CheckpointedForward):
+                t = m.__dict__["forward"].treatment
+                installed[name] = f"checkpointing={t.checkpointing} policy={t.policy!r}"
+
+    net.on_train_start = record
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit(net, data())
+    except Exception as err:  # the test asserts on it
+        result["error"] = [type(err).__name__, str(err)]
+        if not isinstance(err, ValueError):  # a ConfigError is what a test expects; anything else, in full
+            traceback.print_exc()
+    rank = trainer.global_rank
+    out.mkdir(parents=True, exist_ok=True)
+    if "error" not in result:
+        result.update(installed=installed, wrapped=callback.wrapped if callback else [],
+                      choices=callback.planned.choices if callback and callback.planned else None,
+                      plan=callback.state_dict().get("plan") if callback else None,
+                      plan_path=str(callback.plan_path) if callback and callback.plan_path else None)
+        torch.save(full_parameters(trainer, net), out / f"rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return trainer
+
+
+def main(out: Path, runs: dict[str, list]) -> None:
+    from rank_exit import leave  # beside this file
+
+    children: list = []
+    for name, (strategy, keys) in runs.items():
+        start = time.perf_counter()
+        trainer = fit(strategy, keys, out / name)
+        children += getattr(trainer.strategy.launcher, "procs", None) or []
+        print(f"[auto_sharded_worker] rank {trainer.global_rank} {name}: {time.perf_counter() - start:.1f} s",
+              flush=True)
+    leave(trainer.global_rank, children)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), str(Path(__file__).resolve().parents[1])]
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]))
