@@ -25,8 +25,8 @@ change, goes on with this run's keys and plans anew; with the same keys it
 installs the checkpoint's plan without planning, where Lightning restores a
 callback's state before ``on_fit_start`` (every strategy whose
 ``restore_checkpoint_after_setup`` is false: single device, DDP). FSDP, FSDP2 and
-DeepSpeed restore it after: there the resumed run plans again (rank 0's plan on
-every rank), and ``ckpt.plan=<its ckpt_plan.json>`` gives it the old plan.
+DeepSpeed restore it after, and cannot plan (below): there ``ckpt.plan=<its
+ckpt_plan.json>`` gives the resumed run the old plan.
 
 One plan on every rank (``ckpt=auto``): under several processes rank 0 plans
 and ``trainer.strategy.broadcast`` hands its plan, as plain data, to every rank,
