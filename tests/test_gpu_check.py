@@ -63,7 +63,7 @@ def test_cuda_tests_are_listed_and_skip_on_cpu(dry) -> None:
         assert f"| {r['id']} | skipped |" in summary
     core = results["tests"]["core"]
     assert core["files"] == list(DRY_TESTS)
-    assert (core["passed"], core["failed"], core["errors"], core["not_passed"]) == (4, 0, 0, [])
+    assert (core["passed"], core["failed"], core["errors"], core["not_passed"]) == (len(DRY_TESTS), 0, 0, [])
 
 
 def test_bench_table_has_one_row_per_mode(dry) -> None:
@@ -138,7 +138,7 @@ def test_cuda_tests_are_found_by_their_decorators(tmp_path: Path) -> None:
 def test_the_suite_s_cuda_tests_are_the_offload_ones() -> None:
     ids = cuda_tests()
     assert ids and all(i.startswith("tests/test_offload.py::test_cuda_") for i in ids), ids
-    assert set(CORE_TESTS) >= {"tests/test_offload.py", *DRY_TESTS}
+    assert set(CORE_TESTS) >= {"tests/test_offload.py", *(i.split("::")[0] for i in DRY_TESTS)}
 
 
 def test_carried_wheels_cover_what_the_gpu_machine_lacks() -> None:
