@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.lowest:
             constraints.write_text("".join(f"{name}=={v}\n" for name, v in floors("test").items() if name != "torch"))
             pip_args = ["-c", str(constraints)]
-        elif args.torch:  # the lock but torch, which the user's release replaces
-            constraints.write_text("".join(f"{name}=={v}\n" for name, v in locked().items() if name != "torch"))
+        elif args.torch:  # the lock, torch held to the release asked for (the project's range admits newer ones)
+            pins = {name: v for name, v in locked().items() if name != "torch"} | {"torch": args.torch}
+            constraints.write_text("".join(f"{name}=={v}\n" for name, v in pins.items()))
             pip_args = ["-c", str(constraints)]
         torch = f"torch=={args.torch}" if args.torch else TORCH
         with fresh_env("test", *pip_args, torch=torch, at=args.venv) as env:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_a_regrouped_model_deep_copies_and_pickles_with_its_groups() -> None:
     assert all(torch.equal(grads[n], loaded_grads[n]) for n in grads)
 
 
-def test_a_lightning_trainer_trains_the_resnet_inside_its_blocks_forward_bitwise() -> None:
+def test_a_lightning_trainer_trains_the_resnet_inside_its_blocks_forward_bitwise(tmp_path: Path) -> None:
     """The callback plans ``ckpt=auto`` at 0.5 on the ResNet (it goes inside the Bottlenecks' forward),
     three steps train, and the final weights and BatchNorm statistics are bitwise those of the same fit
     without the callback; teardown takes the groups away with the wrappers."""
@@ -327,7 +328,8 @@ def test_a_lightning_trainer_trains_the_resnet_inside_its_blocks_forward_bitwise
         model = ResNet(channels=16, depths=(2, 2), image_size=8, dropout=0.1, batch_size=4)
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, deterministic=True,
-                             num_sanity_val_steps=0, callbacks=callbacks)
+                             num_sanity_val_steps=0, callbacks=callbacks,
+                             default_root_dir=tmp_path)  # ckpt=auto writes its ckpt_plan.json there
         trainer.fit(model, datamodule=ImageData(image_size=8, batch_size=4, num_samples=32, seed=3))
         return model
 

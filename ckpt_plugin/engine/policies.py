@@ -337,7 +337,7 @@ class _Saved:
     and the module (``SavedOutputModified``).
     """
 
-    __slots__ = ("op", "module", "tensor", "version", "packed", "pack", "unpack")
+    __slots__ = ("op", "module", "tensor", "version", "packed", "pack", "unpack", "aliases")
 
     def __init__(self, op: Any, out: torch.Tensor, hooks: tuple[Any, Any] | None, module: str | None) -> None:
         self.op, self.module, self.version = op, module, _version(out)
@@ -346,6 +346,11 @@ class _Saved:
         self.tensor: torch.Tensor | None = out
         self.pack, self.unpack = hooks if hooks else (None, None)
         self.packed = self.pack(out.detach()) if self.pack else None
+        # Later outputs of the region on the same storage that autograd does not count as views, so that
+        # they keep a version counter of their own: ``_unsafe_view`` (torch 2.15's ``linear`` on a 3-d
+        # input returns the addmm output through it, 2.13's through a view). A write into one of them
+        # after the region is a write into this output: ``value`` checks theirs too.
+        self.aliases: list[tuple[torch.Tensor, int]] = []
 
     def _aliased(self, out: torch.Tensor) -> bool:
         """Whether the hook kept the output itself (a counter's), not a copy (offload's)."""
@@ -359,7 +364,7 @@ class _Saved:
             self.version = -1  # the copy stands alone: nothing to compare
             return
         kept = self.tensor.detach().clone()
-        self.tensor, self.version = kept, _version(kept)
+        self.tensor, self.version, self.aliases = kept, _version(kept), []
         self.packed = self.pack(kept.detach()) if self.pack else None
 
     def end_of_forward(self) -> None:
@@ -369,11 +374,13 @@ class _Saved:
         # as the hook got it, has its own): kept unpacked, or where the hook kept the output itself (a
         # counter's), whose writes would reach it. A hook's copy (offload's) stands for it alone.
         self.tensor = out.detach() if self.unpack is None or self._aliased(out) else None
+        self.aliases = [(alias.detach(), v) for alias, v in self.aliases] if self.version >= 0 else []
         if self.version >= 0 and _version(out) != self.version:
             raise SavedOutputModified(self.op, self.module)
 
     def value(self) -> torch.Tensor:
-        if self.tensor is not None and _version(self.tensor) != self.version:
+        if self.tensor is not None and _version(self.tensor) != self.version or any(
+                _version(alias) != v for alias, v in self.aliases):
             raise SavedOutputModified(self.op, self.module)
         return self.unpack(self.packed) if self.unpack is not None else self.tensor
 
@@ -404,6 +411,15 @@ class _Region:
             return saved
 
         self.saved[key] = _map(one, out)
+
+    def after(self, out: Any) -> None:
+        """An op of the region returned ``out``: an output on the storage of a saved one, not yet written, is
+        an alias whose writes ``_Saved.value`` must see too (see ``_Saved.aliases``)."""
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                for saved in self.unwritten.get(_storage_key(t), ()):
+                    if t is not saved.tensor:
+                        saved.aliases.append((t, _version(t)))
 
     def before(self, func: Any, args: tuple, kwargs: dict) -> None:
         """``func`` is about to run: the saved outputs it writes into keep their values first."""
@@ -445,6 +461,8 @@ class _SaveMode(_RegionMode):
         kwargs = kwargs or {}
         self.region.before(func, args, kwargs)
         out = func(*args, **kwargs)
+        if self.region.unwritten and not _is_mutable(func):
+            self.region.after(out)
         if func not in _UNCOUNTED:
             key = self.key(func)
             if self.region.policy.saves(func, args, kwargs):
