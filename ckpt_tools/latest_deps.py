@@ -5,6 +5,7 @@
     python -m ckpt_tools.latest_deps -- -x tests/test_hf.py   # arguments after -- go to pytest
     python -m ckpt_tools.latest_deps --torch 2.11.0  # the lock's versions, on another torch release
     python -m ckpt_tools.latest_deps --torch 2.15.0 --venv /tmp/t215   # keep the venv, to run again
+    python -m ckpt_tools.latest_deps --torch 2.11.0 --core   # the core subset only (.ci/run, on the floor)
 
 CI installs the lock (``requirements/test.lock``), so a release of a dependency
 cannot turn it red; this is where such a release shows up first, on purpose. It
@@ -28,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from ckpt_tools.fresh_env import ROOT, TORCH, floors, fresh_env
+from ckpt_tools.gpu_check import CORE_TESTS
 from ckpt_tools.lock import LOCK
 
 
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lowest", action="store_true", help="install each direct dependency at its floor")
     parser.add_argument("--torch", metavar="VERSION", help="this torch release, the lock's versions of the rest")
     parser.add_argument("--venv", type=Path, help="build the venv here and keep it (reused if there)")
+    parser.add_argument("--core", action="store_true", help="run the core subset of the suite (the GPU check's: "
+                        "engine, policies, segments, offload, scan, measuring, auto, Hydra), not all of it")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --); default: the README's "
                         "-q -n 2 --dist loadfile")
     args = parser.parse_args(argv)
@@ -71,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = differences(versions, locked())
             print(f"{label} releases: {len(versions)} distributions, {len(rows)} differ from {LOCK.name}:")
             print("\n".join(rows) or "  (none)", flush=True)
-            cmd = [env.python, "-m", "pytest", *(args.pytest_args or ["-q", "-n", "2", "--dist", "loadfile"])]
+            chosen = list(CORE_TESTS) if args.core else []
+            cmd = [env.python, "-m", "pytest", *(args.pytest_args or ["-q", "-n", "2", "--dist", "loadfile"]), *chosen]
             print("+", " ".join(cmd), flush=True)
             return subprocess.run(cmd, cwd=ROOT).returncode
 

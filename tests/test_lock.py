@@ -60,7 +60,7 @@ def test_lock_text_sorts_pins_and_drops_the_local_label() -> None:
 
 def test_floors_are_the_declared_lower_bounds() -> None:
     lowest = floors("test")
-    assert lowest["lightning"] == "2.6" and lowest["hydra-core"] == "1.3.2" and lowest["torch"] == "2.13"
+    assert lowest["lightning"] == "2.6" and lowest["hydra-core"] == "1.3.2" and lowest["torch"] == "2.11"
     assert lowest["jsonargparse"] == "4.39"  # the extra [signatures] does not hide the name
 
 
