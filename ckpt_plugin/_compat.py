@@ -536,6 +536,40 @@ def recompile_limit_hit(err: BaseException) -> bool:
     return isinstance(err, FailOnRecompileLimitHit)
 
 
+@functools.cache
+def _compile_takes_recompile_limit() -> bool:
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def compile_with_recompile_limit(fn: Any, backend: str, fullgraph: bool, limit: int) -> Any:
+    """``torch.compile(fn, backend=backend, fullgraph=fullgraph)`` that compiles at most ``limit`` graphs for
+    ``fn`` (past it, with ``fullgraph``, a call raises ``FailOnRecompileLimitHit``), whatever the global
+    ``torch._dynamo.config.recompile_limit``.
+
+    torch 2.13 and 2.15: ``torch.compile`` takes ``recompile_limit=`` and patches the (private) dynamo config
+    with it while it compiles a frame of this call (``ConvertFrameAssert``). torch 2.11: no such keyword
+    (``TypeError: compile() got an unexpected keyword argument``), and dynamo reads only the global
+    ``config.recompile_limit`` (``cache_size.exceeds_recompile_limit``): the returned function patches it the
+    same way around each call, which is when dynamo compiles. The config is ``compile_ignored`` (no guard,
+    no cache key depends on it). Traced by an outer ``torch.compile`` (a compiled model over compiled layers),
+    the call is inlined into the outer graph, as on 2.13, so no patch is made there.
+    """
+    if _compile_takes_recompile_limit():
+        return torch.compile(fn, backend=backend, fullgraph=fullgraph, recompile_limit=limit)
+    from torch._dynamo import config as dynamo_config  # private
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
+
+    @functools.wraps(fn)
+    def limited(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        with dynamo_config.patch(recompile_limit=limit):
+            return compiled(*args, **kwargs)
+
+    return limited
+
+
 def recompile_limit() -> int:
     """``torch._dynamo.config.recompile_limit``: how many graphs dynamo keeps per code object (private config)."""
     import torch._dynamo  # private

@@ -571,11 +571,42 @@ def test_compile_failures_are_what_fullgraph_compile_raises() -> None:
     with pytest.raises(_compat.compile_failures()) as info:
         torch.compile(branchy, backend="eager", fullgraph=True)(torch.ones(2))
     assert not _compat.recompile_limit_hit(info.value)
-    double = torch.compile(lambda x: x * 2, backend="eager", fullgraph=True, recompile_limit=1)
+    double = _compat.compile_with_recompile_limit(lambda x: x * 2, "eager", True, 1)
     double(torch.ones(1))
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.raises(_compat.compile_failures()) as info:
         double(torch.ones(2))
     assert _compat.recompile_limit_hit(info.value)
+    torch._dynamo.reset()
+
+
+def test_compile_with_recompile_limit_holds_for_that_function_only() -> None:
+    """The limit holds for the compiled function whatever the global setting, and is not left in force
+    (torch 2.11 has no ``recompile_limit=`` keyword: the shim patches the config around each call)."""
+    def triple(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    def halve(x: torch.Tensor) -> torch.Tensor:
+        return x / 2
+
+    with torch._dynamo.config.patch(recompile_limit=8, automatic_dynamic_shapes=False):
+        limited = _compat.compile_with_recompile_limit(triple, "eager", True, 2)
+        assert torch.equal(limited(torch.ones(1)), torch.full((1,), 3.0))
+        limited(torch.ones(2))  # the second graph: within the limit
+        with pytest.raises(_compat.compile_failures()) as info:
+            limited(torch.ones(3))
+        assert _compat.recompile_limit_hit(info.value)
+        assert _compat.recompile_limit() == 8
+        other = torch.compile(halve, backend="eager", fullgraph=True)  # global limit of 8
+        for n in range(1, 5):
+            other(torch.ones(n))
+        # Raised above the global limit too: the function's own limit is the one that holds.
+        with torch._dynamo.config.patch(recompile_limit=1):
+            higher = _compat.compile_with_recompile_limit(triple, "eager", True, 3)
+            torch._dynamo.reset()
+            for n in range(1, 4):
+                higher(torch.ones(n))
+            with pytest.raises(_compat.compile_failures()):
+                higher(torch.ones(4))
     torch._dynamo.reset()
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_plugin._compat import compile_failures, recompile_limit, recompile_limit_hit
+from ckpt_plugin._compat import compile_failures, compile_with_recompile_limit, recompile_limit, recompile_limit_hit
 from ckpt_plugin.errors import ConfigError, Problem
 
 DEFAULT_BACKEND = "inductor"  # what ckpt.compile=true means: torch.compile's own default
@@ -98,9 +98,8 @@ class CompiledCalls:
         self.context_fn = treatment.context_fn([]) if treatment.checkpointing else None
         self.layers = layers
         self.recompile_limit = max(recompile_limit(), 2 * layers)
-        options = {"backend": backend, "fullgraph": True, "recompile_limit": self.recompile_limit}
-        self._checkpointed = torch.compile(_checkpointed, **options)
-        self._uncheckpointed = torch.compile(_uncheckpointed, **options)
+        self._checkpointed = compile_with_recompile_limit(_checkpointed, backend, True, self.recompile_limit)
+        self._uncheckpointed = compile_with_recompile_limit(_uncheckpointed, backend, True, self.recompile_limit)
 
     def checkpointed(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> Any:
         try:
