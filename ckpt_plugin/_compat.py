@@ -396,22 +396,49 @@ _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 _REGION_FUNCTIONS = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 
 
-def checkpointed_fn(frame: FrameType | None) -> Any:
-    """The ``fn`` of the non-reentrant checkpoint that is saving its inputs right now, or None.
-
-    torch saves a region's inputs from inside ``_checkpoint_without_reentrant_generator``
-    (or its ``_impl``: ``_REGION_FUNCTIONS``; ``_CheckpointFrame.save_inputs``), which is on the call stack only then: while the region runs, the
-    generator is suspended at its ``yield``. Private torch internals: if they
-    move, those rows fall back to the op that produced the input.
-    """
+def _region_frame(frame: FrameType | None) -> FrameType | None:
+    """The frame of the non-reentrant checkpoint region saving its inputs now (see :func:`checkpointed_fn`), or None."""
     for _ in range(10):
         if frame is None:
             return None
         code = frame.f_code
         if code.co_name in _REGION_FUNCTIONS and code.co_filename == _CHECKPOINT_FILE:
-            return frame.f_locals.get("fn")
+            return frame
         frame = frame.f_back
     return None
+
+
+def checkpointed_fn(frame: FrameType | None) -> Any:
+    """The ``fn`` of the non-reentrant checkpoint that is saving its inputs right now, or None.
+
+    torch saves a region's inputs from inside ``_checkpoint_without_reentrant_generator``
+    (or its ``_impl``: ``_REGION_FUNCTIONS``), which is on the call stack only then: while the region runs, the
+    generator is suspended at its ``yield``. torch 2.13 and 2.15 save them with ``_CheckpointFrame.save_inputs``,
+    2.11 with ``_NoopSaveInputs.apply(dummy, kwargs, *args)`` (a 0-element placeholder first:
+    :func:`checkpoint_placeholder`). Private torch internals: if they
+    move, those rows fall back to the op that produced the input.
+    """
+    region = _region_frame(frame)
+    return None if region is None else region.f_locals.get("fn")
+
+
+# torch 2.11: a region saves its inputs as those of an autograd Function, ``_NoopSaveInputs.apply(dummy,
+# kwargs, *args)``, with ``dummy = torch.empty((0,), requires_grad=True)`` first among them (so that a region
+# without tensor inputs still has a node to hang its hooks on): the saved_tensors_hooks in force pack the
+# placeholder too, before the inputs. torch 2.13 and 2.15 save only the inputs (``_CheckpointFrame.save_inputs``)
+# and have no ``_NoopSaveInputs``.
+_SAVES_PLACEHOLDER = hasattr(torch.utils.checkpoint, "_NoopSaveInputs")
+
+
+def checkpoint_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t``, being packed by a saved_tensors_hooks' pack now, is the 0-element placeholder a
+    torch 2.11 region saves with its inputs (no input of the region, no bytes; always False on 2.13, 2.15).
+
+    Counters of what autograd keeps skip it, so that they count the same on every release."""
+    if not _SAVES_PLACEHOLDER or t.numel() != 0 or not t.requires_grad or t.grad_fn is not None:
+        return False  # cheap checks first: packs run for every saved tensor
+    region = _region_frame(inspect.currentframe())
+    return region is not None and region.f_locals.get("dummy") is t
 
 
 # -- for the soak tool's leak counters (ckpt_tools/soak.py) --

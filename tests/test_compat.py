@@ -5,6 +5,7 @@ private torch API except through ``_compat``."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 from pathlib import Path
 
@@ -118,8 +119,13 @@ def test_open_and_close_region_match_the_plain_function() -> None:
         fn_calls.append(1)
         return fn(inp)
 
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    saved, placeholders = [], []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        (placeholders if _compat.checkpoint_placeholder(t) else saved).append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         gen = _compat.open_region(counted, True, noop_context_fn, x)
         try:
             out = fn(x)  # the region's forward: run by the caller, inside the region
@@ -127,8 +133,10 @@ def test_open_and_close_region_match_the_plain_function() -> None:
             gen.close()
             raise
         _compat.close_region(gen)
-    # Only the region's input is saved through the outer hooks: its activations are recomputed.
+    # Only the region's input is saved through the outer hooks: its activations are recomputed
+    # (torch 2.11 also saves its 0-element placeholder, see test_checkpoint_placeholder_is_2_11s_only).
     assert len(saved) == 1 and saved[0] is x
+    assert [p.numel() for p in placeholders] == ([0] if _SAVES_PLACEHOLDER else [])
     got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
     assert fn_calls == [1]  # recomputed once in backward
     for a, b in zip(got, expected):
@@ -255,7 +263,8 @@ def test_checkpointed_fn_names_the_region_saving_its_inputs() -> None:
     found = []
 
     def pack(t):
-        found.append(_compat.checkpointed_fn(inspect.currentframe()))
+        if not _compat.checkpoint_placeholder(t):  # torch 2.11's, saved by the generator too (test below)
+            found.append(_compat.checkpointed_fn(inspect.currentframe()))
         return t
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -268,6 +277,30 @@ def test_checkpointed_fn_names_the_region_saving_its_inputs() -> None:
         checkpoint(fn, x, use_reentrant=False)
     assert found[1:] == [fn]  # only the region's input, saved by its generator
     assert _compat.checkpointed_fn(None) is None
+
+
+# torch 2.11 saves a region's inputs through ``_NoopSaveInputs`` with a placeholder first; 2.13 and 2.15 do not.
+_SAVES_PLACEHOLDER = torch.__version__.startswith("2.11.")
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_checkpoint_placeholder_is_2_11s_only(fake) -> None:
+    """What a non-reentrant region packs through the hooks around it: on torch 2.11 a 0-element tensor
+    that requires grad, then its inputs; on 2.13 and 2.15 its inputs. Only the first is a placeholder,
+    also on fake tensors (``saved_activations``); an empty input of the region is none."""
+    x, empty = torch.randn(3, requires_grad=True), torch.empty((0,), requires_grad=True)
+    packed = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append((tuple(t.shape), t is x or t is empty, _compat.checkpoint_placeholder(t)))
+        return t
+
+    with _compat.fake_tensor_mode() if fake else contextlib.nullcontext():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            checkpoint(lambda a, b: a.sin() + b.sum(), x, empty, use_reentrant=False)
+            assert not _compat.checkpoint_placeholder(torch.empty((0,), requires_grad=True))  # outside a region
+    inputs = [((3,), True, False), ((0,), True, False)]  # inside the region, checkpoint's own hooks save
+    assert packed == ([((0,), False, True)] if _SAVES_PLACEHOLDER else []) + inputs
 
 
 def test_hook_count_on_a_module_an_optimizer_and_a_tensor() -> None:

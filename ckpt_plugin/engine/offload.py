@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ckpt_plugin._compat import StorageWeakRef, base_of, outer_saved_tensors_hooks, version
+from ckpt_plugin._compat import StorageWeakRef, base_of, checkpoint_placeholder, outer_saved_tensors_hooks, version
 
 __all__ = ["OffloadStats", "Offloading", "offloading", "should_move"]
 
@@ -181,6 +181,8 @@ class Offloading(saved_tensors_hooks):
         return self._side_streams[device]
 
     def _pack(self, t: torch.Tensor) -> _Packed:
+        if checkpoint_placeholder(t):  # torch 2.11's 0-byte placeholder of a region: kept, and counted by no stat
+            return self._keep(t)
         if not should_move(t, self.min_bytes):
             self.stats.kept_on_device += 1
             return self._keep(t)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ckpt_plugin._compat import CategoryPeakTracker, base_of, storage_key, tree_leaves
+from ckpt_plugin._compat import CategoryPeakTracker, base_of, checkpoint_placeholder, storage_key, tree_leaves
 
 REST = "(rest of model)"
 
@@ -62,7 +62,8 @@ class SavedCounter:
         self.result.by_owner[owner] = self.result.by_owner.get(owner, 0) + t.untyped_storage().nbytes()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.add(t)
+        if not checkpoint_placeholder(t):  # torch 2.11's 0-byte placeholder of a region: no owner gets a row for it
+            self.add(t)
         # Detached: a saved output handed back as itself holds its own grad_fn, a reference
         # cycle through C++ that gc cannot free, so a forward without backward (the report's)
         # would leak its whole graph (pytorch#115255; found by ckpt-soak).

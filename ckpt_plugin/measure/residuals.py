@@ -49,6 +49,7 @@ from torch import nn
 
 from ckpt_plugin._compat import (
     TorchDispatchMode,
+    checkpoint_placeholder,
     checkpointed_fn,
     is_fake,
     is_mutable,
@@ -293,6 +294,8 @@ class _Recorder:
     # -- the hooks ------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if checkpoint_placeholder(t):  # torch 2.11's 0-byte placeholder, saved with a region's inputs: not a row
+            return t
         key = self.key(t)
         if key in self.saved:
             return t

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import TorchDispatchMode, is_fake, op_flops, tree_leaves
+from ckpt_plugin._compat import TorchDispatchMode, checkpoint_placeholder, is_fake, op_flops, tree_leaves
 from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
@@ -191,7 +191,7 @@ class _Recorder(TorchDispatchMode):
 
     def keep(self, t: Any, owner: str | None = None) -> Any:
         """saved_tensors_hooks' pack: ``t`` is kept for backward by the layer running."""
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not checkpoint_placeholder(t):  # torch 2.11's 0-byte one: not kept
             uid = self._uid(t, create=False)
             if uid is not None:
                 self.events.append(("pack", uid, owner or (self.stack[-1] if self.stack else REST)))
