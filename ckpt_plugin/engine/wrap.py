@@ -128,7 +128,9 @@ class CheckpointedForward:
                 # torch's debug mode refuses a context_fn and prints every op of both runs
                 # on a mismatch: it replaces our check rather than fail.
                 context_fn = None
-        options = {"context_fn": context_fn} if context_fn else {}
+        # ``is not None``, not truthiness: traced by torch.compile, torch 2.11's dynamo cannot take the truth of
+        # a functools.partial (a graph break, "Data-dependent branching", FunctoolsPartialVariable); 2.13 and 2.15 can.
+        options = {"context_fn": context_fn} if context_fn is not None else {}
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
 
 
