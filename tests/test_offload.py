@@ -293,3 +293,13 @@ def test_cuda_views_come_back_with_their_layout():
     (gx,) = torch.autograd.grad(y.sum(), x)
     qd, kd, vd = (x.detach() * 2).split(32, dim=2)
     assert torch.equal(gx, torch.cat([kd * vd, qd * vd, qd * kd], dim=2) * 2)
+
+
+def test_a_checkpoint_region_counts_only_its_inputs():
+    """A non-reentrant region inside offloading is seen as its inputs, on every torch: torch 2.11 also saves a
+    0-byte placeholder with them (``_compat.checkpoint_placeholder``), which no stat counts."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.warns(UserWarning, match=NOTHING_TO_MOVE), offloading() as off:
+        h = x * 2
+        checkpoint(torch.sin, h, use_reentrant=False)
+    assert (off.stats.already_on_cpu, off.stats.kept_on_device, off.stats.moved_bytes) == (1, 0, 0)
