@@ -5,7 +5,7 @@
     python -m ckpt_tools.latest_deps -- -x tests/test_hf.py   # arguments after -- go to pytest
     python -m ckpt_tools.latest_deps --torch 2.11.0  # the lock's versions, on another torch release
     python -m ckpt_tools.latest_deps --torch 2.15.0 --venv /tmp/t215   # keep the venv, to run again
-    python -m ckpt_tools.latest_deps --torch 2.11.0 --core   # the core subset only (.ci/run, on the floor)
+    python -m ckpt_tools.latest_deps --torch floor --core    # the core subset on pyproject's torch floor (.ci/run)
 
 CI installs the lock (``requirements/test.lock``), so a release of a dependency
 cannot turn it red; this is where such a release shows up first, on purpose. It
@@ -51,13 +51,16 @@ def differences(versions: dict[str, str], lock: dict[str, str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lowest", action="store_true", help="install each direct dependency at its floor")
-    parser.add_argument("--torch", metavar="VERSION", help="this torch release, the lock's versions of the rest")
+    parser.add_argument("--torch", metavar="VERSION", help="this torch release (floor: pyproject's lowest), the "
+                        "lock's versions of the rest")
     parser.add_argument("--venv", type=Path, help="build the venv here and keep it (reused if there)")
     parser.add_argument("--core", action="store_true", help="run the core subset of the suite (the GPU check's: "
                         "engine, policies, segments, offload, scan, measuring, auto, Hydra), not all of it")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --); default: the README's "
                         "-q -n 2 --dist loadfile")
     args = parser.parse_args(argv)
+    if args.torch == "floor":  # pip's == pads the release: 2.11 is 2.11.0
+        args.torch = floors("test")["torch"]
     with tempfile.TemporaryDirectory(prefix="ckpt-floors-") as tmp:
         pip_args: list[str] = []
         constraints = Path(tmp) / "constraints.txt"
