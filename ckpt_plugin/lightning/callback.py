@@ -37,7 +37,7 @@ profiles in lockstep and installs rank 0's plan. Rank 0 writes the plan it
 installed to ``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
 
 Under FSDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed, ``ckpt=auto`` does
-not plan: it is a ConfigError in ``setup`` (:func:`planning_refused`), before
+not plan: it is a ConfigError in ``setup`` (``strategies.planning_refused``), before
 the strategy builds anything. The profile runs the LightningModule's forward
 and backward outside the strategy, on fake tensors: run with 2 gloo processes
 on CPU, FSDP's root parameters were 1-D shards ("'weight' must be 2-D"), FSDP2
@@ -46,7 +46,7 @@ DeepSpeed's gradient hooks took fake gradients ("Cannot copy out of meta
 tensor"; ZeRO-1, 2 and 3). A plan made on one process or under DDP
 (``ckpt_plan.json``) installs there with ``ckpt.plan=``. The wrap report's
 fake forward is skipped where parameters are sharded (FSDP, FSDP2, ZeRO-3) for
-the same reason (:func:`sharded_parameters`).
+the same reason (``strategies.sharded_parameters``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ from ckpt_plugin.config.schema import MODES, AutoConfig, CkptConfig, FullConfig,
 from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.sample import sample_call
-from ckpt_plugin.lightning.strategies import prepare
+from ckpt_plugin.lightning.strategies import (error_as_data, error_from_data, planning_refused, prepare,
+                                              rank_zero_plans_alone, sharded_parameters)
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import WrapReport, wrap_report
@@ -298,13 +299,13 @@ class ActivationCheckpointing(pl.Callback):
             return plan
         sent = None
         if rank == 0:
-            sent = {"error": _as_data(error)} if error is not None else {
+            sent = {"error": error_as_data(error)} if error is not None else {
                 "plan": plan_to_dict(plan, pl_module), "summary": plan.summary}
         sent = trainer.strategy.broadcast(sent, src=0)
         if rank == 0 and error is not None:
             raise error
         if "error" in sent:
-            raise _from_data(sent["error"])
+            raise error_from_data(sent["error"])
         agreed = plan_from_dict(sent["plan"], pl_module, "rank 0's plan")
         return replace(agreed, summary=sent["summary"])
 
@@ -389,75 +390,6 @@ class ActivationCheckpointing(pl.Callback):
         # Lightning skips teardown when fit raises; unwrap here so the module is still left as it was given.
         self._stop_counting()
         remove_checkpointing(pl_module)
-
-
-def rank_zero_plans_alone(strategy: Any, model: nn.Module) -> bool:
-    """Whether rank 0 can profile while the other ranks wait: the LightningModule's forward issues no collective.
-
-    DDP's collectives run in backward, and only for a forward through its wrapper (its reducer expects
-    gradients after ``DistributedDataParallel.forward``); the profile calls the LightningModule itself. FSDP,
-    FSDP2 and ZeRO-3 gather parameters in the forward; DeepSpeed's strategy is a DDPStrategy, and is left
-    out too; SyncBatchNorm all-gathers its statistics in every training forward.
-    """
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-
-    if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy):
-        return False
-    return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
-
-
-def sharded_parameters(strategy: Any) -> str | None:
-    """The strategy's class name where the LightningModule's parameters are sharded between steps (FSDP,
-    FSDP2, DeepSpeed ZeRO-3): a forward of the module outside the strategy's own call meets shards, and
-    one on fake tensors leaves fake tensors in the strategy's state. Else None."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
-        return type(strategy).__name__
-    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
-        return f"{type(strategy).__name__} (ZeRO stage 3)"
-    return None
-
-
-def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
-    """The error for ckpt=auto planning under FSDP, FSDP2 or DeepSpeed (every stage), else None.
-
-    The profile runs the LightningModule's forward and backward on fake tensors and times layers on real
-    ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): under
-    FSDP the root unit's parameters stay flat 1-D shards; FSDP2 keeps the fake all-gathered parameters
-    and runs the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) take the fake
-    gradients and fail in the first real backward. A given plan (ckpt.plan) runs no profile: allowed.
-    """
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if not isinstance(config, AutoConfig) or config.plan is not None:
-        return None
-    name = sharded_parameters(strategy)
-    if name is None and isinstance(strategy, DeepSpeedStrategy):
-        name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
-    if name is None:
-        return None
-    return ConfigError([Problem(
-        "ckpt.mode",
-        f"ckpt.mode=auto cannot plan under trainer.strategy {name}: its profile runs the LightningModule's "
-        "forward and backward outside the strategy, which shards the parameters or hooks the gradients",
-        "plan with the same model and per-device batch on one process or under DDP (the ckpt=auto run writes "
-        "ckpt_plan.json in its log dir) and give that file here with ckpt.plan=<file>, or choose a fixed "
-        "mode (ckpt=full, ckpt=selective, ckpt=offload)",
-    )])
-
-
-def _as_data(error: BaseException) -> dict[str, Any]:
-    """An error on rank 0, as plain data for the broadcast: a ConfigError's problems, else its words."""
-    if isinstance(error, ConfigError):
-        return {"problems": [[p.key, p.problem, p.fix] for p in error.problems], "what": error.what}
-    return {"message": f"{type(error).__name__}: {error}"}
-
-
-def _from_data(data: dict[str, Any]) -> Exception:
-    if "problems" in data:
-        return ConfigError([Problem(*p) for p in data["problems"]], data["what"])
-    return RuntimeError(f"ckpt=auto: rank 0 could not plan, so no rank installs a plan: {data['message']}")
 
 
 def _check_on(model: nn.Module, config: CkptConfig) -> None:

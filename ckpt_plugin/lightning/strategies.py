@@ -4,13 +4,16 @@ The plugin wraps the same way under every strategy (an instance-level
 ``forward`` on the selected layers, torch's non-reentrant checkpoint): DDP,
 FSDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO 1-3 each run the
 wrapped layers' forward inside their own hooks, and the recomputation triggers
-them again where parameters must be gathered. Two things depend on the strategy:
+them again where parameters must be gathered. Three things depend on the strategy:
 
 - checkpointing the strategy already applied (FSDPStrategy's
   ``activation_checkpointing_policy``, or a torch ``checkpoint_wrapper``): the
   layers would be checkpointed twice, so it is an error, never silent;
 - DeepSpeed's own checkpoint (``ckpt.deepspeed``): needs a DeepSpeed strategy,
-  and ``deepspeed.checkpointing.configure`` with all its options.
+  and ``deepspeed.checkpointing.configure`` with all its options;
+- ``ckpt=auto`` under several processes: whether rank 0 may profile alone while
+  the others wait at the broadcast of its plan, and where no rank can profile at
+  all (parameters sharded or gradients hooked by the strategy).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 
 from ckpt_plugin._compat import checkpoint_wrapper_type
 from ckpt_plugin.engine.deepspeed import configure
+from ckpt_plugin.config.schema import AutoConfig, CkptConfig
 from ckpt_plugin.errors import ConfigError, Problem
 
 
@@ -81,3 +85,74 @@ def strategy_settings(strategy: Any) -> dict[str, Any]:
     config = getattr(strategy, "config", None)
     section = config.get("activation_checkpointing") if isinstance(config, dict) else None
     return {k: v for k, v in (section or {}).items() if v}
+
+
+# -- ckpt=auto under several processes: who may plan, and how rank 0's plan (or error) reaches the others --
+
+def rank_zero_plans_alone(strategy: Any, model: nn.Module) -> bool:
+    """Whether rank 0 can profile while the other ranks wait: the LightningModule's forward issues no collective.
+
+    DDP's collectives run in backward, and only for a forward through its wrapper (its reducer expects
+    gradients after ``DistributedDataParallel.forward``); the profile calls the LightningModule itself. FSDP,
+    FSDP2 and ZeRO-3 gather parameters in the forward; DeepSpeed's strategy is a DDPStrategy, and is left
+    out too; SyncBatchNorm all-gathers its statistics in every training forward.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    if not isinstance(strategy, DDPStrategy) or isinstance(strategy, DeepSpeedStrategy):
+        return False
+    return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
+def sharded_parameters(strategy: Any) -> str | None:
+    """The strategy's class name where the LightningModule's parameters are sharded between steps (FSDP,
+    FSDP2, DeepSpeed ZeRO-3): a forward of the module outside the strategy's own call meets shards, and
+    one on fake tensors leaves fake tensors in the strategy's state. Else None."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
+        return type(strategy).__name__
+    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+        return f"{type(strategy).__name__} (ZeRO stage 3)"
+    return None
+
+
+def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
+    """The error for ckpt=auto planning under FSDP, FSDP2 or DeepSpeed (every stage), else None.
+
+    The profile runs the LightningModule's forward and backward on fake tensors and times layers on real
+    ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): under
+    FSDP the root unit's parameters stay flat 1-D shards; FSDP2 keeps the fake all-gathered parameters
+    and runs the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) take the fake
+    gradients and fail in the first real backward. A given plan (ckpt.plan) runs no profile: allowed.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if not isinstance(config, AutoConfig) or config.plan is not None:
+        return None
+    name = sharded_parameters(strategy)
+    if name is None and isinstance(strategy, DeepSpeedStrategy):
+        name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
+    if name is None:
+        return None
+    return ConfigError([Problem(
+        "ckpt.mode",
+        f"ckpt.mode=auto cannot plan under trainer.strategy {name}: its profile runs the LightningModule's "
+        "forward and backward outside the strategy, which shards the parameters or hooks the gradients",
+        "plan with the same model and per-device batch on one process or under DDP (the ckpt=auto run writes "
+        "ckpt_plan.json in its log dir) and give that file here with ckpt.plan=<file>, or choose a fixed "
+        "mode (ckpt=full, ckpt=selective, ckpt=offload)",
+    )])
+
+
+def error_as_data(error: BaseException) -> dict[str, Any]:
+    """An error on rank 0, as plain data for the broadcast: a ConfigError's problems, else its words."""
+    if isinstance(error, ConfigError):
+        return {"problems": [[p.key, p.problem, p.fix] for p in error.problems], "what": error.what}
+    return {"message": f"{type(error).__name__}: {error}"}
+
+
+def error_from_data(data: dict[str, Any]) -> Exception:
+    if "problems" in data:
+        return ConfigError([Problem(*p) for p in data["problems"]], data["what"])
+    return RuntimeError(f"ckpt=auto: rank 0 could not plan, so no rank installs a plan: {data['message']}")
