@@ -374,7 +374,11 @@ class _Saved:
         # as the hook got it, has its own): kept unpacked, or where the hook kept the output itself (a
         # counter's), whose writes would reach it. A hook's copy (offload's) stands for it alone.
         self.tensor = out.detach() if self.unpack is None or self._aliased(out) else None
-        self.aliases = [(alias.detach(), v) for alias, v in self.aliases] if self.version >= 0 else []
+        # The aliases only where the output itself is kept (their storage is then held anyway): beside a hook's
+        # copy, or a holder that drops the output (an enclosing checkpoint's, ``full`` with parts inside), they
+        # would keep the storage alive to backward, bytes the peak model does not count.
+        kept = self.version >= 0 and self.tensor is not None
+        self.aliases = [(alias.detach(), v) for alias, v in self.aliases] if kept else []
         if self.version >= 0 and _version(out) != self.version:
             raise SavedOutputModified(self.op, self.module)
 
