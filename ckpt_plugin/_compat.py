@@ -177,7 +177,7 @@ class CategoryPeakTracker(MemTracker):
 
 # The parameters of ``_checkpoint_without_reentrant_generator`` before its ``*args`` (torch 2.11 to 2.15:
 # ``fn, preserve_rng_state=True, context_fn=noop_context_fn, determinism_check="default",
-# debug=False, early_stop=True, *args, **kwargs``, 2.11 and 2.15 with a keyword-only parameter more).
+# debug=False, early_stop=True, *args, **kwargs``, 2.14 and 2.15 with a keyword-only parameter more).
 _REGION_PARAMETERS = ("fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
 
 
@@ -193,9 +193,9 @@ def _region_generator() -> Any:
 
     params = list(inspect.signature(_checkpoint_without_reentrant_generator).parameters.values())
     named = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    # Keyword-only parameters with a default may follow ``*args``: we leave them at it. torch 2.11 and 2.15
+    # Keyword-only parameters with a default may follow ``*args``: we leave them at it. torch 2.14 and 2.15
     # have ``respect_saved_tensors_hooks=None`` there (whether torch's own selective checkpoint routes what it
-    # saves through the caller's saved_tensors_hooks; None: as before), 2.13 has none.
+    # saves through the caller's saved_tensors_hooks; None: as before), 2.11 to 2.13 have none.
     kinds = [p.kind for p in params if not (p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty)]
     expected_kinds = [inspect.Parameter.POSITIONAL_OR_KEYWORD] * len(_REGION_PARAMETERS) + [
         inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
@@ -321,7 +321,7 @@ def tracing_for_compile() -> bool:
     """Whether AOTAutograd is tracing right now (torch.compile, export), as torch's checkpoint
     itself decides it (``torch.utils.checkpoint._is_compiling``: a proxy dispatch mode is
     active); it then accepts only torch's own selective-checkpoint modes from ``context_fn``."""
-    non_strict = getattr(torch.compiler, "_is_non_strict_tracing", None)  # not in every 2.11 build (issue #31)
+    non_strict = getattr(torch.compiler, "_is_non_strict_tracing", None)  # new in torch 2.12; 2.11 has none
     if non_strict is not None and non_strict():
         return False
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
@@ -391,8 +391,8 @@ def argument(op: Any, args: tuple, kwargs: dict, name: str, missing: Any = None)
 # -- for saved_activations' row sources (residuals.py) --
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
-# torch 2.11 and 2.15 run the region in ``_checkpoint_without_reentrant_generator_impl``, which the
-# generator of that name delegates to (``fn`` is a local of both); 2.13 runs it in the generator itself.
+# torch 2.14 and 2.15 run the region in ``_checkpoint_without_reentrant_generator_impl``, which the
+# generator of that name delegates to (``fn`` is a local of both); 2.11 to 2.13 run it in the generator itself.
 _REGION_FUNCTIONS = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 
 
