@@ -41,4 +41,17 @@ def test_a_second_process_hits_the_fx_graph_cache(tmp_path: Path) -> None:
         assert before["inductor"].get("fxgraph_cache_hit", 0) == 0, mode
         assert after["inductor"].get("fxgraph_cache_hit", 0) == before["inductor"]["fxgraph_cache_miss"], mode
         assert after["inductor"].get("fxgraph_cache_miss", 0) == 0, mode  # ... and found again
-        assert "pickle" not in before_log.lower() and "pickle" not in after_log.lower(), mode
+        for log in (before_log, after_log):  # no pickling failure of ours: the closure's was "Can't pickle local object"
+            assert not _our_pickling_failures(log), (mode, _our_pickling_failures(log))
+
+
+def _our_pickling_failures(log: str) -> list[str]:
+    """The log's pickling failures that name the plugin or a local object (a closure of ours).
+
+    torch 2.11 and 2.12 also log "Failed to pickle cache key" for AOTAutograd's cache key of a selective
+    region, which holds the aten OpOverloads of torch's own selective-checkpoint policy (``aten.bmm.dtype``):
+    their pickler has no reducer for them. torch 2.13 and 2.15 bypass that cache for the same key without a
+    pickling message. The FX graph cache, which the counts above check, hits on every release.
+    """
+    failures = [line for line in log.splitlines() if "pickle" in line.lower()]
+    return [line for line in failures if "ckpt_plugin" in line or "local object" in line.lower()]
