@@ -74,7 +74,7 @@ from ckpt_plugin.lightning.strategies import (error_as_data, error_from_data, pl
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import WrapReport, wrap_report
-from ckpt_plugin.planning.plan_file import FILE_NAME, plan_from_dict, plan_to_dict, save_plan
+from ckpt_plugin.planning.plan_file import FILE_NAME, plain, plan_from_dict, plan_to_dict, save_plan
 
 
 class ActivationCheckpointing(pl.Callback):
@@ -172,7 +172,7 @@ class ActivationCheckpointing(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         """The keys (mode included), the modules this fit wrapped, the plugin's version and, for ckpt=auto, the
         plan installed (``plan_file.plan_to_dict``); plain Python."""
-        state = {"config": _plain(as_keys(self.config)), "wrapped": list(self.wrapped), "version": __version__}
+        state = {"config": plain(as_keys(self.config)), "wrapped": list(self.wrapped), "version": __version__}
         if self._plan is not None:
             state["plan"] = self._plan
         return state
@@ -187,7 +187,7 @@ class ActivationCheckpointing(pl.Callback):
         mode = MODES.get(saved.get("mode"))
         defaults = {f.name: f.default for f in fields(mode) if f.default is not MISSING} if mode else {}
         saved = {**defaults, **saved}
-        changes = _changes(saved, _plain(as_keys(self.config)))
+        changes = _changes(saved, plain(as_keys(self.config)))
         if changes:
             rank_zero_warn(
                 f"{type(self).__name__}: this run's ckpt config differs from the checkpoint's: {', '.join(changes)}. "
@@ -400,15 +400,6 @@ def _check_on(model: nn.Module, config: CkptConfig) -> None:
     if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
         config = FullConfig(layers=config.layers, every_n=config.every_n)
     check_plan(user_module(model), plan_for(model, config))  # what install() checks before touching the model
-
-
-def _plain(value: Any) -> Any:
-    """Tuples to lists, through dicts: what a checkpoint stores and a warning shows, as the keys were typed."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

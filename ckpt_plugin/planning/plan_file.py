@@ -121,7 +121,7 @@ def _planned_to_dict(planned: Any) -> dict[str, Any] | None:
     if planned is None:
         return None
     if isinstance(planned, Plan):
-        return {"type": "Plan", **_lists(asdict(planned))}
+        return {"type": "Plan", **plain(asdict(planned))}
     if isinstance(planned, Solution):
         return {"type": "Solution", "schedule": [_node(n) for n in planned.schedule],
                 "recompute_flops": planned.recompute_flops, "predicted_peak": planned.predicted_peak,
@@ -129,12 +129,13 @@ def _planned_to_dict(planned: Any) -> dict[str, Any] | None:
     raise TypeError(f"a plan's planned record is a Plan or a Solution, not {type(planned).__name__}")
 
 
-def _lists(value: Any) -> Any:
-    """Tuples as lists, through dicts and lists: what JSON gives back, so a dict compares equal to its file."""
+def plain(value: Any) -> Any:
+    """Tuples as lists, through dicts and lists: what JSON gives back, so a dict compares equal to its file
+    (and what a Lightning checkpoint stores of the callback's keys)."""
     if isinstance(value, dict):
-        return {k: _lists(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_lists(v) for v in value]
+        return [plain(v) for v in value]
     return value
 
 
@@ -287,4 +288,4 @@ def _modules(model: nn.Module, regrouped: tuple[str, ...], source: str) -> Itera
             ungroup(module)
 
 
-__all__ = ["FILE_NAME", "FORMAT", "check_against", "load_plan", "plan_from_dict", "plan_to_dict", "save_plan"]
+__all__ = ["FILE_NAME", "FORMAT", "check_against", "load_plan", "plain", "plan_from_dict", "plan_to_dict", "save_plan"]
