@@ -65,6 +65,7 @@ from torch import nn
 from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.config.keys import args_section
 from ckpt_plugin.config.schema import MODES, AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
 from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
@@ -87,41 +88,8 @@ class ActivationCheckpointing(pl.Callback):
     budget="1GiB"``). The keys are checked here, when the callback is built;
     the layers against the model in ``setup``, before anything is wrapped.
 
-    Args:
-        mode: full (torch's checkpoint around each layer: keep its inputs, recompute the rest), selective (save
-            the outputs of the ops that policy names, recompute the others), offload (no recompute: what the layers
-            save lives in CPU memory), auto (per layer keep, selective with either matmul policy, or full: the
-            fastest step that fits budget) or none (train without checkpointing; every other key is accepted
-            and ignored).
-        layers: The modules to checkpoint, required unless mode is none: auto (the model's repeated block), class
-            names (Block), module names (blocks.3), dotted class paths (pkg.models.Block), module-name globs
-            (blocks.*) or regexes (re:blocks\\.[0-9]+); one or a list.
-        every_n: Wrap every n-th matched layer (unset: 1, every one).
-        preserve_rng_state: Replay the RNG state on recompute, so dropout masks match (unset: true). Not for
-            offload.
-        check_recompute: Name the module whose recomputation saves other tensors than its forward did, at a hook
-            per saved tensor (unset: false; torch's own check still runs, unnamed). full and selective.
-        segments: Checkpoint a chain of consecutive layers in segments: a count, sqrt or recursive (unset: one
-            checkpoint per layer). full and selective. optimal (full): the nesting of regions with the least
-            recomputation that fits budget.
-        offload: Keep what checkpointing still saves (the layers' inputs) in CPU memory (unset: false). full and
-            selective.
-        policy: selective: the ops whose outputs are saved: matmuls, matmuls_no_batch, names (the tensors tagged
-            with checkpoint_name) or a list of aten op names (unset: matmuls).
-        save_names: selective with policy names: save exactly the checkpoint_name tensors named here.
-        exclude_names: selective with policy names: save every checkpoint_name tensor except these.
-        budget: auto, and full with segments optimal, required there: the activation memory to fit, a fraction of
-            the peak without checkpointing (0.4, 40%), a size (2GiB, 512MiB), or min (the least peak reachable).
-        deepspeed: full: DeepSpeed's own checkpoint, under a DeepSpeed strategy, with these options
-            (partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
-            synchronize_checkpoint_boundary, profile) (unset: torch's checkpoint).
-        compile: Run each wrapped layer compiled, its checkpoint included (regional compilation): true (inductor),
-            false, or the name of a torch.compile backend (aot_eager) (unset: false). Not with segments, deepspeed,
-            check_recompute or policy names.
-        timing: ckpt=auto: how each option is timed for the plan (unset: auto, as the step runs: compiled where
-            ckpt.compile or your own torch.compile compiles it), eager, compiled (inductor) or a backend name.
-        plan: ckpt=auto: the path of a plan file (the ckpt_plan.json a ckpt=auto run writes in the Trainer's log
-            dir) to install as it is, without planning; layers and budget are then not needed (unset: plan).
+    The keys' meanings follow (``config/keys.py``: the one place they are written).
+
     """
 
     def __init__(
@@ -390,6 +358,10 @@ class ActivationCheckpointing(pl.Callback):
         # Lightning skips teardown when fit raises; unwrap here so the module is still left as it was given.
         self._stop_counting()
         remove_checkpointing(pl_module)
+
+
+# The keys' help, written once (config/keys.py): what jsonargparse's --help and help() print.
+ActivationCheckpointing.__doc__ = f"{ActivationCheckpointing.__doc__.rstrip()}\n\n{args_section()}\n"
 
 
 def _check_on(model: nn.Module, config: CkptConfig) -> None:
