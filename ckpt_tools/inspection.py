@@ -44,7 +44,7 @@ from ckpt_plugin.engine.wrap import remove_checkpointing
 from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
 from ckpt_plugin.measure.floor import Floor, forward_floor
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 
 
 @dataclass

@@ -73,7 +73,7 @@ def _auto(**keys):
         "forced-eager-regional", "compiled", "named-backend", "named-backend-regional"])
 def test_the_options_are_timed_as_the_step_runs_them(keys, user_compiled, expected) -> None:
     config = _auto(**keys)
-    from ckpt_plugin.engine.regional import backend_of
+    from ckpt_plugin.config.values import backend_of
 
     assert timed_compiled(config, backend_of(config.compile), user_compiled) == expected
 

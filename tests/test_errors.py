@@ -24,7 +24,7 @@ from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, make_config, wrapped_modules
 from ckpt_plugin.engine.wrap import CheckpointedForward
-from ckpt_plugin.planning.budget import parse_budget
+from ckpt_plugin.config.budget import parse_budget
 from conftest import FAST, GROUP_DIRS, RECIPE, TINY_GPT, run_recipe, small_gpt
 
 GPT_CLASSES = {
@@ -576,7 +576,7 @@ BUDGET_FORMS = (
     ("40%", "0.4 of the activation peak"), ("min", "the least activation peak reachable"),
 ])
 def test_budget_sizes_with_or_without_a_space(given, expected):
-    from ckpt_plugin.planning.budget import parse_budget
+    from ckpt_plugin.config.budget import parse_budget
 
     assert str(parse_budget(given)) == expected
     assert make_config(mode="auto", layers="TransformerBlock", budget=given).budget == given
@@ -599,7 +599,7 @@ def test_budget_sizes_with_or_without_a_space(given, expected):
     ("0.1 B", f"ckpt.budget='0.1 B' must be positive; {BUDGET_FORMS}"),
 ])
 def test_budget_that_does_not_parse_is_an_error(given, message):
-    from ckpt_plugin.planning.budget import parse_budget
+    from ckpt_plugin.config.budget import parse_budget
 
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         parse_budget(given)

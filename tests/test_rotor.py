@@ -35,8 +35,8 @@ from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import install, wrapped_modules
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import step_flops, step_memory
-from ckpt_plugin.measure.units import format_bytes
-from ckpt_plugin.planning.budget import Budget, parse_budget
+from ckpt_plugin.units import format_bytes
+from ckpt_plugin.config.budget import Budget, parse_budget
 from ckpt_plugin.planning.profile import chain_costs
 from ckpt_plugin.planning.rotor import (
     ChainCosts,

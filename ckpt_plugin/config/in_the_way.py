@@ -23,7 +23,7 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import Floor, forward_floor
 from ckpt_plugin.measure.outside import outside_keepers
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 
 SHOWN = 3  # modules outside ckpt.layers named, at most
 SHARE = 20  # ... each keeping at least 1/SHARE of the peak without checkpointing beyond its inputs

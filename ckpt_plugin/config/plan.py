@@ -37,7 +37,7 @@ from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
 from ckpt_plugin.engine.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
 from ckpt_plugin.engine.policies import make_policy
-from ckpt_plugin.engine.regional import DEFAULT_BACKEND, backend_of
+from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.sequential import regions
 from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.treatment import Treatment
@@ -45,9 +45,9 @@ from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled, install,
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 from ckpt_plugin.config.in_the_way import least_lines, with_floor, with_reasons
 from ckpt_plugin.measure.fake import on_fake_tensors
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 from ckpt_plugin.measure.sample import example_forward, scalar
-from ckpt_plugin.planning.budget import parse_budget, resolve
+from ckpt_plugin.config.budget import parse_budget, resolve
 from ckpt_plugin.planning.plan_file import load_plan
 from ckpt_plugin.planning.planner import OPTIONS, Profile, smallest_peak
 from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, chain_costs, profile, wrap_plan

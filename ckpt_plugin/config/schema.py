@@ -116,7 +116,7 @@ def _check_bool(key: str, value: Any) -> list[Problem]:
 
 def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Problem]:
     """What full and selective check alike: the layers, preserve_rng_state, check_recompute, segments, offload."""
-    from ckpt_plugin.engine.sequential import segment_problems  # imports torch: only when validating
+    from ckpt_plugin.config.values import segment_problems
 
     problems = config._problems() + _check_bool("preserve_rng_state", config.preserve_rng_state)
     problems += _check_bool("check_recompute", config.check_recompute)
@@ -133,7 +133,7 @@ def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Proble
 def _budget_problems(config: FullConfig) -> list[Problem]:
     """``ckpt.budget`` on ckpt=full: what ``ckpt.segments=optimal`` plans for, required there and only there."""
     # The same reading as ckpt=auto's.
-    from ckpt_plugin.planning.budget import parse_budget
+    from ckpt_plugin.config.budget import parse_budget
 
     segments, budget = config.segments, config.budget
     if segments != "optimal":
@@ -162,7 +162,7 @@ def _compile_problems(config: Any) -> list[Problem]:
     """``ckpt.compile``: true (inductor), false or a backend name, and not with what has no one call to compile."""
     value = config.compile
     if isinstance(value, str):
-        from ckpt_plugin.engine.regional import backends  # imports torch: only when validating
+        from ckpt_plugin.config.values import backends
 
         names = backends()
         if value not in names:
@@ -337,7 +337,7 @@ class AutoConfig(LayerSelection):
     plan: Any = None
 
     def __post_init__(self) -> None:
-        from ckpt_plugin.planning.budget import parse_budget
+        from ckpt_plugin.config.budget import parse_budget
 
         given = self.plan is not None  # the file decides what is wrapped: layers and budget may be left out
         problems = [p for p in self._problems() if not (given and self.layers is None and p.key == "ckpt.layers")]
@@ -376,7 +376,7 @@ def _timing_problems(value: Any) -> list[Problem]:
                         f"{_quote_all(TIMINGS)} or the name of a torch.compile backend")]
     if value in TIMINGS:
         return []
-    from ckpt_plugin.engine.regional import backends  # imports torch: only when validating
+    from ckpt_plugin.config.values import backends
 
     names = backends()
     if value in names:

@@ -193,7 +193,7 @@ def check_app_config(cfg: Any, trainer: Any = None) -> None:
             problems += err.problems
             continue
         if isinstance(config, AutoConfig) or getattr(config, "budget", None) is not None:  # auto's, optimal's
-            from ckpt_plugin.planning.budget import parse_budget
+            from ckpt_plugin.config.budget import parse_budget
 
             try:  # typed here: an integer below 1 MiB is a slip for a fraction or a size
                 parse_budget(config.budget, typed=True)

@@ -42,25 +42,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin._compat import compile_failures, compile_with_recompile_limit, recompile_limit, recompile_limit_hit
 from ckpt_plugin.errors import ConfigError, Problem
-
-DEFAULT_BACKEND = "inductor"  # what ckpt.compile=true means: torch.compile's own default
-
-
-def backends() -> list[str]:
-    """Every backend ``torch.compile(backend=...)`` accepts by name, debug ones (``aot_eager``) included."""
-    return torch.compiler.list_backends(exclude_tags=())
-
-
-def backend_of(value: bool | str) -> str | None:
-    """The backend a validated ``ckpt.compile`` value asks for: true is inductor, false is None."""
-    if value is True:
-        return DEFAULT_BACKEND
-    return value or None
 
 
 def _checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, context_fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -134,4 +119,4 @@ class CompiledCalls:
         )])
 
 
-__all__ = ["DEFAULT_BACKEND", "CompiledCalls", "backend_of", "backends"]
+__all__ = ["CompiledCalls"]

@@ -32,10 +32,8 @@ from typing import Any
 
 from torch.utils.checkpoint import checkpoint
 
+from ckpt_plugin.config.values import segment_problems
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
-
-SEGMENT_WORDS = ("sqrt", "recursive", "optimal")
-
 
 @dataclass(frozen=True)
 class Region:
@@ -47,23 +45,6 @@ class Region:
 
 
 Node = int | Region
-
-
-def segment_problems(segments: Any, key: str = "ckpt.segments") -> list[Problem]:
-    """What is wrong with a ``segments`` value on its own (not knowing the chain's length)."""
-    if segments is None or segments in SEGMENT_WORDS:
-        return []
-    if isinstance(segments, bool) or not isinstance(segments, int):
-        return [Problem(
-            key,
-            f"{key}={segments!r} ({type(segments).__name__}) must be an integer >= 1, "
-            f"'sqrt', 'recursive' or 'optimal' (or null for one checkpoint per layer)",
-        )]
-    if segments < 1:
-        return [Problem(
-            key, f"{key}={segments} must be >= 1: the number of checkpointed segments (or 'sqrt', 'recursive')"
-        )]
-    return []
 
 
 def schedule(length: int, segments: int | str | Sequence[Node], key: str = "ckpt.segments") -> list[Node]:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 from ckpt_plugin.engine.wrap import checkpointing_disabled, compiled_modules, compiling_paused
 
 

@@ -62,7 +62,7 @@ from ckpt_plugin._compat import (
 )
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import side_effect_free
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # ckpt_plugin/, not this file's measure/: frames in engine/ (policies' dispatch modes) are ours too.

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpt_plugin.measure.memory import REST
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 
 # In order of intrusiveness (ties in cost go left): ``selective`` saves every matmul's output
 # (policy ``matmuls``), ``selective_nb`` only those without a batch dimension (``matmuls_no_batch``,

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import TorchDispatchMode, checkpoint_placeholder, is_fake, op_flops, tree_leaves
-from ckpt_plugin.planning.budget import Budget, parse_budget, resolve
+from ckpt_plugin.config.budget import Budget, parse_budget, resolve
 from ckpt_plugin.measure.fake import fake_measurement
 from ckpt_plugin.measure.memory import REST, side_effect_free
 from ckpt_plugin.planning.timing import LayerTimes, TimingCache, check_candidates, measure_layer_times

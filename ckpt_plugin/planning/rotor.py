@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from ckpt_plugin.engine.sequential import Node, Region, regions
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 from ckpt_tools.zoo import all_models
 from ckpt_tools.zoo.measure import ZooResult, measure
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.measure.units import format_bytes
+from ckpt_plugin.units import format_bytes
 
 _NEEDS_BUDGET = (
     "ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing (0.4) or a size (2GiB)"
