@@ -50,6 +50,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_plugin.engine.forwards import instance_forward, set_forward
+
 ATTR = "_ckpt_plugin_op_groups"  # where a regrouped module keeps its Regrouped (instance __dict__, not state)
 
 # What ends a unit: the activation of a conv-norm-act (or linear-act). Functions, methods and modules.
@@ -117,7 +119,7 @@ class TracedForward:
     """The instance-level ``forward`` of a regrouped module: its traced graph, groups in place of chains."""
 
     def __init__(self, module: nn.Module, run: _Program, training: bool) -> None:
-        self.previous = module.__dict__.get("forward")  # None: the class's forward
+        self.previous = instance_forward(module)  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.run, self.training, self.module = run, training, module
 
@@ -339,7 +341,7 @@ def regroup(module: nn.Module) -> bool:
         return False
     for name, group in found.groups.items():
         module.add_module(name, group)
-    module.__dict__["forward"] = found.forward
+    set_forward(module, found.forward)
     module.__dict__[ATTR] = found
     return True
 
@@ -351,10 +353,7 @@ def ungroup(module: nn.Module) -> None:
         return
     for name in found.groups:
         delattr(module, name)
-    if found.forward.previous is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = found.forward.previous
+    set_forward(module, found.forward.previous)
 
 
 def regrouped(model: nn.Module) -> list[nn.Module]:

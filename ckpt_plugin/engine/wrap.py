@@ -8,7 +8,8 @@ per module (:class:`CheckpointedForward`, below) or segments over a chain
 removes any earlier wrapping and installs, so an error leaves the model as it was.
 
 A selected module keeps its place, its class and its name: we set an
-instance-level ``forward`` that runs the class's own forward under
+instance-level ``forward`` (through ``forwards.py``, the one module that writes
+it) that runs the class's own forward under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. ``nn.Module``
 looks ``forward`` up on the instance first, so hooks, ``state_dict`` keys and
 ``named_parameters`` stay exactly as they were, unlike torch's
@@ -56,6 +57,7 @@ from torch.utils.checkpoint import checkpoint
 from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
 from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of
 from ckpt_plugin.engine.chain_check import check_chain
+from ckpt_plugin.engine.forwards import TemporaryForwards, instance_forward, set_forward
 from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
@@ -84,7 +86,7 @@ class CheckpointedForward:
 
     def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None,
                  side_effects: SideEffects | None = None, compiled: CompiledCalls | None = None) -> None:
-        self.previous = module.__dict__.get("forward")  # None: the class's forward
+        self.previous = instance_forward(module)  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.treatment = treatment
         self.name = name
@@ -140,13 +142,13 @@ def wrapped_modules(model: nn.Module) -> list[str]:
     return [
         n
         for n, m in model.named_modules()
-        if isinstance(m.__dict__.get("forward"), CheckpointedForward) or ATTR in m.__dict__
+        if isinstance(instance_forward(m), CheckpointedForward) or ATTR in m.__dict__
     ]
 
 
 def policy_of(model: nn.Module) -> Any:
     """The selective policy the wrapped modules of ``model`` share, or None."""
-    treatments = [m.__dict__["forward"].treatment for m in model.modules() if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    treatments = [w.treatment for m in model.modules() if isinstance(w := instance_forward(m), CheckpointedForward)]
     treatments += [chain.treatment for chain in chains_of(model)]
     return next((t.policy for t in treatments if t.policy is not None), None)
 
@@ -169,21 +171,13 @@ def _take_off(model: nn.Module, keep_groups: set[int]) -> list[str]:
     for chain in chains_of(model):
         chain.remove()
     for module in model.modules():
-        wrapper = module.__dict__.get("forward")
+        wrapper = instance_forward(module)
         if isinstance(wrapper, CheckpointedForward):
-            _unwrap(module, wrapper)
+            set_forward(module, wrapper.previous)
     for module in regrouped(model):  # after the unwrapping: a regrouped module's wrapper runs its traced forward
         if id(module) not in keep_groups:
             ungroup(module)
     return removed
-
-
-def _unwrap(module: nn.Module, wrapper: CheckpointedForward) -> None:
-    """Give ``module`` back the forward it had before ``wrapper``."""
-    if wrapper.previous is None:
-        del module.__dict__["forward"]
-    else:
-        module.__dict__["forward"] = wrapper.previous
 
 
 def check_plan(model: nn.Module, plan: WrapPlan) -> None:
@@ -243,8 +237,8 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
                     compiled[key] = CompiledCalls(group.compile, group.treatment, counts[key])
                 calls = compiled[key]
             for name in group.names:
-                modules[name].__dict__["forward"] = CheckpointedForward(
-                    modules[name], group.treatment, name, side_effects, calls)
+                wrapper = CheckpointedForward(modules[name], group.treatment, name, side_effects, calls)
+                set_forward(modules[name], wrapper)
     if any(g.treatment.checkpointing for g in plan.groups):
         turn_cache_off_above(model, plan.names, side_effects)  # a Hugging Face model above: use_cache=False
     return plan.names
@@ -253,28 +247,18 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
 @contextlib.contextmanager
 def checkpointing_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` as if it were not wrapped, then put the very same wrappers back."""
-    wrappers = {
-        m: m.__dict__["forward"]
-        for m in model.modules()
-        if isinstance(m.__dict__.get("forward"), CheckpointedForward)
-    }
-    for m, wrapper in wrappers.items():
-        _unwrap(m, wrapper)
-    with contextlib.ExitStack() as stack:
+    wrapped = [(m, w.previous) for m in model.modules() if isinstance(w := instance_forward(m), CheckpointedForward)]
+    with TemporaryForwards(wrapped), contextlib.ExitStack() as stack:
         for chain in chains_of(model):
             stack.enter_context(chain.paused())
-        try:
-            yield
-        finally:
-            for m, wrapper in wrappers.items():
-                m.__dict__["forward"] = wrapper
+        yield
 
 
 def compiled_modules(model: nn.Module) -> list[str]:
     """Qualified names of the wrapped modules of ``model`` whose calls run compiled (``ckpt.compile``)."""
     model = user_module(model)
     return [n for n, m in model.named_modules()
-            if isinstance(w := m.__dict__.get("forward"), CheckpointedForward) and w.compiled is not None]
+            if isinstance(w := instance_forward(m), CheckpointedForward) and w.compiled is not None]
 
 
 @contextlib.contextmanager
@@ -285,7 +269,7 @@ def compiling_paused(model: nn.Module) -> Iterator[None]:
     fake tensors, a graph real tensors can never use, and count against the recompile limit.
     """
     wrappers = [w for m in model.modules()
-                if isinstance(w := m.__dict__.get("forward"), CheckpointedForward) and w.compiled is not None]
+                if isinstance(w := instance_forward(m), CheckpointedForward) and w.compiled is not None]
     calls = [w.compiled for w in wrappers]
     for w in wrappers:
         w.compiled = None
