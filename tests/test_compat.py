@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_d
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import _compat
+from ckpt_plugin._compat import regions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_every_shim_is_reached_from_the_package() -> None:
+    """``_compat`` is a package of one module per concern; callers import every name from the package itself."""
+    modules = sorted(ROOT.joinpath("ckpt_plugin", "_compat").glob("[!_]*.py"))
+    assert len(modules) > 5
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
+                    and n.module.startswith("torch") for a in n.names}
+        public = {name for name in defined | imported if not name.startswith("_")}
+        assert public <= set(_compat.__all__), f"{path.name}: {sorted(public - set(_compat.__all__))} not re-exported"
+    assert all(hasattr(_compat, name) for name in _compat.__all__)
 
 
 # -- re-exported names from private modules --
@@ -155,10 +170,10 @@ def test_close_region_refuses_a_generator_that_yields_again() -> None:
 
 
 def test_region_generator_signature_is_checked() -> None:
-    generator = _compat._region_generator()
+    generator = regions._region_generator()
     assert generator is torch.utils.checkpoint._checkpoint_without_reentrant_generator
     names = list(inspect.signature(generator).parameters)
-    assert tuple(names[: len(_compat._REGION_PARAMETERS)]) == _compat._REGION_PARAMETERS
+    assert tuple(names[: len(regions._REGION_PARAMETERS)]) == regions._REGION_PARAMETERS
 
 
 def test_region_generator_fails_loudly_on_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,12 +182,12 @@ def test_region_generator_fails_loudly_on_a_changed_signature(monkeypatch: pytes
         yield
 
     monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", reordered)
-    _compat._region_generator.cache_clear()
+    regions._region_generator.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="changed its signature"):
-            _compat._region_generator()
+            regions._region_generator()
     finally:
-        _compat._region_generator.cache_clear()
+        regions._region_generator.cache_clear()
 
 
 def test_checkpoint_wrapper_type_is_what_checkpoint_wrapper_makes() -> None:
@@ -446,14 +461,14 @@ def private_torch_uses(source: str, filename: str = "<source>") -> list[str]:
 
 def _checked_files() -> list[Path]:
     files = sorted((*ROOT.joinpath("ckpt_plugin").rglob("*.py"), *ROOT.joinpath("ckpt_tools").rglob("*.py")))
-    return [f for f in files if f != ROOT / "ckpt_plugin" / "_compat.py"]
+    return [f for f in files if ROOT / "ckpt_plugin" / "_compat" not in f.parents]
 
 
 def test_no_private_torch_api_outside_compat() -> None:
     files = _checked_files()
     assert len(files) > 10 and any(f.name == "soak.py" for f in files)
     problems = [p for f in files for p in private_torch_uses(f.read_text(), str(f.relative_to(ROOT)))]
-    assert not problems, "private torch APIs outside ckpt_plugin/_compat.py:\n" + "\n".join(problems)
+    assert not problems, "private torch APIs outside ckpt_plugin/_compat/:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("snippet", [

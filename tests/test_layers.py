@@ -2,10 +2,11 @@
 
 A. Layer direction, read from the source (AST over every ``.py`` of ``ckpt_plugin/``,
    imports inside functions included): each module imports only its own layer or
-   lower ones (base < engine < measure < planning < config < lightning < configs);
+   lower ones (base < config < engine < measure < planning < apply < lightning: the config is read
+   below everything that uses it, the spine, ``apply``, sits above all it joins);
    the library never imports ``ckpt_tools``, ``ckpt_examples``, ``recipes``; the
    torch-only layers import no Lightning/Hydra/OmegaConf (DeepSpeed only lazily);
-   ``config/`` no Lightning/Hydra; ``config/schema.py`` and ``config/deepspeed.py``
+   ``config/`` no Lightning; the modules the search-path plugin loads (``config/hydra.py``)
    no framework at module level; and the intra-package import graph has no cycle.
 B. Importing costs what it uses, in fresh interpreters: ``import ckpt_plugin`` loads
    no torch, the schema no torch/OmegaConf, the engine's public names no Lightning,
@@ -37,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ckpt_plugin"
 
 # Lowest first. A module may import its own layer or a lower one.
-LAYERS = ["base", "engine", "measure", "planning", "config", "lightning", "configs"]
+LAYERS = ["base", "config", "engine", "measure", "planning", "apply", "lightning"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
-BASE_MODULES = {"ckpt_plugin", "ckpt_plugin._compat", "ckpt_plugin.errors"}  # the root __init__ is lazy: imports nothing
+BASE_MODULES = {"ckpt_plugin", "ckpt_plugin._compat", "ckpt_plugin.errors", "ckpt_plugin.units"}  # the root __init__ is lazy: imports nothing
 
 OUTSIDE = {"ckpt_tools", "ckpt_examples", "recipes", "hydra_plugins", "tests"}  # never imported by the library
 LIGHTNING = {"lightning", "pytorch_lightning", "lightning_fabric"}
@@ -50,10 +51,13 @@ FORBIDDEN = {
     "engine": FRAMEWORKS,
     "measure": FRAMEWORKS,
     "planning": FRAMEWORKS,
-    "config": LIGHTNING | {"hydra"},
+    "apply": FRAMEWORKS,
+    "config": LIGHTNING,
 }
 # modules that must import no framework (torch included) at module level: the search-path plugin loads them
-NO_FRAMEWORK_AT_IMPORT = {"ckpt_plugin.config.schema", "ckpt_plugin.config.deepspeed", "ckpt_plugin.configs"}
+NO_FRAMEWORK_AT_IMPORT = {"ckpt_plugin.config", "ckpt_plugin.config.schema", "ckpt_plugin.config.deepspeed",
+                          "ckpt_plugin.config.hydra", "ckpt_plugin.config.budget", "ckpt_plugin.config.values",
+                          "ckpt_plugin.config.keys"}
 HEAVY = {"torch", "deepspeed"} | FRAMEWORKS
 
 
@@ -144,7 +148,7 @@ IMPORTS: dict[str, list[Import]] = {m: imports_of(m) for m in MODULES}
 
 
 def layer_of(module: str) -> str | None:
-    if module in BASE_MODULES:
+    if module in BASE_MODULES or module.startswith("ckpt_plugin._compat."):  # _compat is a package of shims
         return "base"
     parts = module.split(".")
     if len(parts) >= 2 and parts[0] == "ckpt_plugin" and parts[1] in RANK and parts[1] != "base":
@@ -171,7 +175,7 @@ def test_the_scan_sees_the_package() -> None:
     layers = {layer_of(m) for m in MODULES}
     assert set(LAYERS) <= layers, f"layers without modules: {set(LAYERS) - layers}"
     targets = {i.target for i in IMPORTS["ckpt_plugin.lightning.callback"]}
-    assert "ckpt_plugin.config.plan" in targets and "lightning.pytorch" in targets, targets
+    assert "ckpt_plugin.apply.plan" in targets and "lightning.pytorch" in targets, targets
     lazy = [i for i in IMPORTS["ckpt_plugin.engine.deepspeed"] if i.target == "deepspeed"]
     assert lazy and all(i.function_level for i in lazy), lazy
 
@@ -375,14 +379,14 @@ import ckpt_plugin
 after_root = loaded("torch", "lightning", "pytorch_lightning", "hydra", "omegaconf", "deepspeed")
 import ckpt_plugin.config.schema
 after_schema = loaded("torch", "lightning", "pytorch_lightning", "hydra", "omegaconf", "deepspeed")
-import ckpt_plugin.configs
+import ckpt_plugin.config.hydra
 after_configs = loaded("torch", "lightning", "pytorch_lightning", "omegaconf", "deepspeed")
 print("RESULT " + json.dumps(dict(root=after_root, schema=after_schema, configs=after_configs)))
 """
     )
     assert r["root"] == [], f"`import ckpt_plugin` loaded {r['root']}"
     assert r["schema"] == [], f"`import ckpt_plugin.config.schema` loaded {r['schema']}"
-    assert r["configs"] == [], f"`import ckpt_plugin.configs` (what the search-path plugin loads) loaded {r['configs']}"
+    assert r["configs"] == [], f"`import ckpt_plugin.config.hydra` (what the search-path plugin loads) loaded {r['configs']}"
 
 
 def test_engine_names_load_torch_only_and_the_callback_is_lightnings() -> None:
@@ -489,14 +493,14 @@ def test_unrelated_hydra_app_sees_only_what_the_plugin_adds(tmp_path: Path) -> N
 
 
 def test_plugin_configs_ship_only_ckpt_and_the_callback() -> None:
-    configs = PKG / "configs"
+    configs = PKG / "config"
     shipped = sorted(
         str(p.relative_to(configs))
         for p in configs.rglob("*")
         if p.is_file() and p.suffix in (".yaml", ".yml")  # the configs; app.py is the Hydra app's helpers
     )
     extra = [s for s in shipped if not (s.startswith("ckpt/") and s.endswith(".yaml")) and s != "callbacks/activation_checkpointing.yaml"]
-    assert not extra, f"ckpt_plugin/configs ships more than ckpt/*.yaml and callbacks/activation_checkpointing.yaml: {extra}"
+    assert not extra, f"ckpt_plugin/config ships more than ckpt/*.yaml and callbacks/activation_checkpointing.yaml: {extra}"
     assert "callbacks/activation_checkpointing.yaml" in shipped, shipped
     assert [p for p in shipped if p.startswith("ckpt/")], "no ckpt presets shipped"
 

@@ -1,0 +1,66 @@
+"""``MemTracker`` (private: ``torch.distributed._tools``) as the measurements use it: each category's own peak,
+recomputation counted as activations, frozen parameters tracked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
+
+
+class _NoHook:
+    """A removable handle of a hook never registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+class CategoryPeakTracker(MemTracker):
+    """``MemTracker`` that also records each category's own peak over the step.
+
+    MemTracker's ``get_tracker_snapshot("peak")`` gives the split at the moment
+    the *total* peaked; the activation peak is usually earlier (end of forward)
+    than the total peak (gradients alive), so we keep the per-category maxima
+    from the same live snapshot MemTracker updates after every op.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.category_peaks: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # MemTracker files what backward makes as temporaries, except inside a recomputation
+        # that a module's own forward hooks announce (``_in_ac``): the recompute of a module
+        # wrapped by an instance-level forward, or of a plain function, would land in TEMP
+        # op by op, between the hooks of its submodules. In backward, autograd runs its nodes
+        # with grad mode off (unless create_graph), and checkpoint re-enables it for the
+        # recomputation: so a grad-enabled op in backward is a recomputed activation.
+        if not self._in_ac and torch.is_grad_enabled() and self._mod_tracker.is_bw:
+            self._in_ac = True
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._in_ac = False
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
+        # MemTracker registers a gradient hook on every parameter of every module it enters, and
+        # register_hook raises on one that does not require grad (torch 2.13): a frozen sinusoidal
+        # position table (Pegasus, Marian, Whisper), a LoRA's frozen base. Such a parameter never
+        # gets a gradient, so it is marked as hooked already, with handles that remove nothing.
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:  # private hook of MemTracker
+        super()._update_peak_stats(peak_state)
+        for dev_snap in self._curr_mem_snap.values():
+            for key, value in dev_snap.items():
+                name = getattr(key, "name", str(key)).lower()
+                if value > self.category_peaks.get(name, 0):
+                    self.category_peaks[name] = value
