@@ -29,7 +29,7 @@ _WHERE = {
     "SelectiveConfig": "ckpt_plugin.config.schema",
     "make_config": "ckpt_plugin.config.schema",
     "DeepSpeedCheckpointing": "ckpt_plugin.config.deepspeed",
-    "apply_checkpointing": "ckpt_plugin.config.plan",
+    "apply_checkpointing": "ckpt_plugin.apply.install",
     "ConfigError": "ckpt_plugin.errors",
     "Problem": "ckpt_plugin.errors",
     "remove_checkpointing": "ckpt_plugin.engine.wrap",
@@ -65,7 +65,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from ckpt_plugin.config.deepspeed import DeepSpeedCheckpointing
-    from ckpt_plugin.config.plan import apply_checkpointing
+    from ckpt_plugin.apply.install import apply_checkpointing
     from ckpt_plugin.config.schema import AutoConfig, FullConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
     from ckpt_plugin.engine.functional import checkpoint
     from ckpt_plugin.engine.offload import offloading

@@ -59,7 +59,8 @@ from typing import Any
 import torch
 
 from ckpt_plugin._compat import activation_memory_budget, compiler_backend
-from ckpt_plugin.config.plan import apply_checkpointing, plan_for
+from ckpt_plugin.apply.install import apply_checkpointing
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.errors import ConfigError

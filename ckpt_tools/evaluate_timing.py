@@ -31,7 +31,7 @@ from torch import nn
 
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
-from ckpt_plugin.config.plan import apply_checkpointing
+from ckpt_plugin.apply.install import apply_checkpointing
 from ckpt_plugin.planning.planner import OPTIONS
 from ckpt_plugin.planning.profile import treatment
 from ckpt_plugin.planning.timing import measure_layer_times

@@ -37,9 +37,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
-from ckpt_plugin.config.plan import apply_config
+from ckpt_plugin.apply.install import apply_config
 from ckpt_plugin.config.schema import make_config
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit, config_groups
+from ckpt_plugin.lightning.app import check_app_config, config_errors_exit, config_groups
 from ckpt_plugin.engine.wrap import remove_checkpointing
 from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
 from ckpt_plugin.measure.floor import Floor, forward_floor

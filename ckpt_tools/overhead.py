@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ckpt_examples.gpt import GPT
-from ckpt_plugin.config.plan import apply_checkpointing
+from ckpt_plugin.apply.install import apply_checkpointing
 from ckpt_tools.workloads import HandGPT, _gpt_batch
 
 # The model: 12 blocks of width 64 on 32 tokens, batch 2; dropout off so that

@@ -74,7 +74,7 @@ from tqdm import tqdm
 from ckpt_examples.data import TextData
 from ckpt_examples.gpt import GPT
 from ckpt_plugin._compat import TorchDispatchMode, global_hook_count, hook_count, mode_stack_depth, saved_tensors_hooks_depth
-from ckpt_plugin.config.plan import apply_checkpointing
+from ckpt_plugin.apply.install import apply_checkpointing
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, Offloading
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.lightning.callback import ActivationCheckpointing

@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
-from ckpt_plugin.config.plan import apply_config, plan_for
+from ckpt_plugin.apply.install import apply_config
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.wrap import install
 

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import DictConfig, OmegaConf
 
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit, config_groups
+from ckpt_plugin.lightning.app import check_app_config, config_errors_exit, config_groups
 from ckpt_plugin.lightning.resume import latest_checkpoint
 
 

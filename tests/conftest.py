@@ -12,7 +12,7 @@ import torch
 import warm_python
 from hydra import compose, initialize_config_dir
 
-from ckpt_plugin.configs import register_configs
+from ckpt_plugin.config.hydra import register_configs
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
 from recipes.train import train  # noqa: F401  (also registers the recipe's resolver, as running it does)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckpt_examples.gpt import GPT
 from ckpt_plugin import ActivationCheckpointing
-from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import CheckpointedForward
 from ckpt_plugin.planning import profile as profile_module

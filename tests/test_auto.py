@@ -471,7 +471,7 @@ def test_auto_leaves_out_a_selective_option_a_layer_cannot_run_under() -> None:
     """``selective`` on ``_Project`` saves the matmul output its parent then scales in place: asked for by name, it
     is an error naming the layer; ``ckpt=auto`` profiles those layers without it (the others keep it), and its
     plans train bitwise as without checkpointing."""
-    from ckpt_plugin.config.plan import apply_config
+    from ckpt_plugin.apply.install import apply_config
     from ckpt_plugin.config.schema import make_config
     from ckpt_plugin.engine.policies import SavedOutputModified
 
@@ -512,7 +512,7 @@ def test_parts_that_cannot_run_selective_leave_the_others_candidates_inside_thei
     """One level down the same: the part whose saved output is written after it returns is profiled without
     ``selective``, its sibling with it, and ``min`` plans inside the layers, bitwise. The layer itself, whose
     own region holds the write, runs ``selective`` (the output is copied before it is written)."""
-    from ckpt_plugin.config.plan import apply_config
+    from ckpt_plugin.apply.install import apply_config
     from ckpt_plugin.config.schema import make_config
 
     def pairs() -> torch.nn.Sequential:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin import ConfigError, apply_checkpointing, make_config, wrapped_modules
-from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.measure.report import wrap_report

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_e
 
 from ckpt_plugin import apply_checkpointing, make_config
 from ckpt_plugin._compat import saved_tensors_hooks_depth
-from ckpt_plugin.config.plan import treatment_of
+from ckpt_plugin.apply.treatment import treatment_of
 from ckpt_plugin.engine.recompute_check import (
     RecomputationMismatch,
     checking_recomputation,

@@ -21,8 +21,8 @@ from typing import NamedTuple
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ckpt_plugin.configs import register_configs
-from ckpt_plugin.configs.app import config_errors_exit
+from ckpt_plugin.config.hydra import register_configs
+from ckpt_plugin.lightning.app import config_errors_exit
 from conftest import CONFIGS, FAST, TINY_GPT
 from recipes.train import train
 

@@ -34,7 +34,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing
 from ckpt_plugin._compat import compiled_by_user
-from ckpt_plugin.config.plan import timed_compiled
+from ckpt_plugin.apply.auto import timed_compiled
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.planning.planner import OPTIONS
 from ckpt_plugin.engine.regional import CompiledCalls

@@ -451,7 +451,7 @@ def test_a_deep_copy_of_a_wrapped_model_trains_as_the_original(mode: str) -> Non
     checkpointed ResNet: the copy is wrapped too, its BatchNorm fix restores the copy's statistics, and a
     step of it is bitwise the original's (gradients and statistics). Before, the copy's checkpoint contexts
     came out of the copy as their compile-cache key and the first step raised."""
-    from ckpt_plugin.config.plan import apply_config
+    from ckpt_plugin.apply.install import apply_config
     from ckpt_plugin.config.schema import make_config
 
     model = small_resnet()

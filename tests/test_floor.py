@@ -16,7 +16,7 @@ import torch
 from conftest import resnet_batch, small_resnet
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing
-from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import install, wrapped_modules
 from ckpt_plugin.errors import ConfigError

@@ -389,7 +389,7 @@ def test_user_app_uses_the_installed_preset(runs: Runs) -> None:
     # callbacks/activation_checkpointing.yaml (and ckpt/full.yaml) came from the package, not the app
     hydra_cfg = OmegaConf.load(runs.dirs["app:layers"] / ".hydra" / "hydra.yaml").hydra
     sources = [(s.provider, s.schema, s.path) for s in hydra_cfg.runtime.config_sources]
-    assert ("ckpt-plugin", "pkg", "ckpt_plugin.configs") in sources, sources
+    assert ("ckpt-plugin", "pkg", "ckpt_plugin.config") in sources, sources
     assert hydra_cfg.runtime.choices.callbacks == "activation_checkpointing"
     assert hydra_cfg.runtime.choices.ckpt == "full"
     assert not (Path(hydra_cfg.runtime.cwd) / "conf" / "callbacks").exists()

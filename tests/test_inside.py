@@ -20,7 +20,7 @@ import torch
 from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 
 from ckpt_plugin import remove_checkpointing
-from ckpt_plugin.config.plan import apply_config
+from ckpt_plugin.apply.install import apply_config
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.errors import ConfigError

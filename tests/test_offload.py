@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, Offloading, _reset_warn_once, offloading, should_move
-from ckpt_plugin.config.plan import apply_checkpointing
+from ckpt_plugin.apply.install import apply_checkpointing
 
 _VISIBLE_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")  # before conftest's `_cpu_only` hides the GPUs
 

@@ -22,7 +22,8 @@ from conftest import resnet_batch, small_resnet
 from torch import nn
 
 from ckpt_plugin import remove_checkpointing
-from ckpt_plugin.config.plan import apply_config, plan_for
+from ckpt_plugin.apply.install import apply_config
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.op_groups import OpGroup, is_regrouped, op_groups, regroup, ungroup
 from ckpt_plugin.engine.wrap import install, wrapped_modules

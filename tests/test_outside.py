@@ -13,7 +13,8 @@ import torch
 from conftest import resnet_batch, small_gpt, small_resnet
 
 from ckpt_plugin import remove_checkpointing
-from ckpt_plugin.config.plan import apply_config, plan_for
+from ckpt_plugin.apply.install import apply_config
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.selection import select_layers
 from ckpt_plugin.errors import ConfigError

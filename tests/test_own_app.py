@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckpt_plugin import ActivationCheckpointing
-from ckpt_plugin.configs import register_configs
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit
+from ckpt_plugin.config.hydra import register_configs
+from ckpt_plugin.lightning.app import check_app_config, config_errors_exit
 from ckpt_plugin.errors import ConfigError
 from conftest import RECIPE
 
@@ -222,7 +222,7 @@ from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit
+from ckpt_plugin.lightning.app import check_app_config, config_errors_exit
 
 
 class Block(nn.Module):

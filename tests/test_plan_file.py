@@ -17,7 +17,8 @@ import torch
 from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 
 from ckpt_plugin import remove_checkpointing, wrapped_modules
-from ckpt_plugin.config.plan import apply_checkpointing, plan_for
+from ckpt_plugin.apply.install import apply_checkpointing
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.treatment import Treatment
@@ -199,13 +200,14 @@ def _fit(tmp_path, ckpt_path=None, max_steps: int = 2, **keys):
 
 def _no_planning(monkeypatch) -> None:
     """ckpt=auto's profile (our own entry point to all measuring and timing) fails if anything calls it."""
-    import ckpt_plugin.config.plan as config_plan
+    import ckpt_plugin.apply.auto as auto
+    import ckpt_plugin.apply.segments as segments
 
     def refuse(*args, **kwargs):
         raise AssertionError("the profile ran")
 
-    monkeypatch.setattr(config_plan, "profile", refuse)
-    monkeypatch.setattr(config_plan, "chain_costs", refuse)
+    monkeypatch.setattr(auto, "profile", refuse)
+    monkeypatch.setattr(segments, "chain_costs", refuse)
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,7 @@ def test_budget_min_composes_and_reaches_the_callback() -> None:
     from conftest import compose_train
     from hydra.utils import instantiate
 
-    from ckpt_plugin.configs.app import check_app_config
+    from ckpt_plugin.lightning.app import check_app_config
 
     cfg = compose_train("ckpt=auto", "ckpt.budget=min")
     check_app_config(cfg)  # the typed checks a Hydra app runs: "min" is a budget, not a slip

@@ -44,7 +44,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, remove_checkpointing, wrapped_modules
-from ckpt_plugin.configs.app import check_app_config
+from ckpt_plugin.lightning.app import check_app_config
 from ckpt_plugin.engine.wrap import CheckpointedForward, compiled_modules
 from ckpt_plugin.errors import ConfigError
 from ckpt_examples.data import TextData

@@ -27,7 +27,7 @@ from ckpt_plugin import (
     checkpoint_sequential,
     remove_checkpointing,
 )
-from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.engine.sequential import Region, regions, schedule

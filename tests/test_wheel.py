@@ -60,7 +60,7 @@ from hydra import compose, initialize_config_module
 import ckpt_examples, ckpt_plugin, ckpt_tools
 import hydra_plugins.ckpt_plugin_searchpath as searchpath
 
-presets = sorted(p.name.removesuffix(".yaml") for p in files("ckpt_plugin.configs").joinpath("ckpt").iterdir()
+presets = sorted(p.name.removesuffix(".yaml") for p in files("ckpt_plugin.config").joinpath("ckpt").iterdir()
                  if p.name.endswith(".yaml"))
 composed = {}
 with initialize_config_module("ckpt_tools.configs", version_base="1.3"):
@@ -101,7 +101,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckpt_plugin
 from ckpt_plugin import wrapped_modules
-from ckpt_plugin.configs.app import check_app_config, config_errors_exit
+from ckpt_plugin.lightning.app import check_app_config, config_errors_exit
 
 
 class Block(nn.Module):

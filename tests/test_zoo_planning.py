@@ -15,7 +15,8 @@ import re
 
 import pytest
 
-from ckpt_plugin.config.plan import apply_config, plan_for
+from ckpt_plugin.apply.install import apply_config
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.measure.fake import NotFakeable

@@ -2,12 +2,12 @@
 
 Every mode is a small kw-only dataclass holding only its own fields. The same
 classes serve twice: Hydra's ConfigStore builds the YAML presets in
-``ckpt_plugin/configs/ckpt/`` on their keys (so ``ckpt.foo=1`` is Hydra's error,
+``ckpt_plugin/config/ckpt/`` on their keys (so ``ckpt.foo=1`` is Hydra's error,
 and a preset has exactly these keys), and :func:`make_config` builds them from
 keyword arguments, for the Python API and for every Hydra app alike, validating
 in ``__post_init__`` with errors that name the key, the value and what would
 work. Values are judged here only, never converted by OmegaConf on the way
-(``ckpt_plugin/configs``): ``ckpt.preserve_rng_state=2`` is an error, not true.
+(``config/hydra.py``): ``ckpt.preserve_rng_state=2`` is an error, not true.
 
 The schema imports no framework (no torch, Lightning, Hydra or OmegaConf at
 import time), so Hydra's search-path plugin can register it in any app
@@ -16,7 +16,7 @@ segment count) imports it then. Dispatch on a mode is by type
 (``isinstance(config, AutoConfig)``), never by comparing ``mode`` strings:
 ``mode`` is only what a YAML preset or ``make_config(mode=...)`` selects the
 class by. The callback's ``_target_`` is added by the Hydra layer
-(``ckpt_plugin/configs``), not here.
+(``config/hydra.py``), not here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ckpt_plugin.config.budget import parse_budget
 from ckpt_plugin.config.deepspeed import settings_of
 from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
 
@@ -132,9 +133,6 @@ def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Proble
 
 def _budget_problems(config: FullConfig) -> list[Problem]:
     """``ckpt.budget`` on ckpt=full: what ``ckpt.segments=optimal`` plans for, required there and only there."""
-    # The same reading as ckpt=auto's.
-    from ckpt_plugin.config.budget import parse_budget
-
     segments, budget = config.segments, config.budget
     if segments != "optimal":
         if budget is None:
@@ -337,8 +335,6 @@ class AutoConfig(LayerSelection):
     plan: Any = None
 
     def __post_init__(self) -> None:
-        from ckpt_plugin.config.budget import parse_budget
-
         given = self.plan is not None  # the file decides what is wrapped: layers and budget may be left out
         problems = [p for p in self._problems() if not (given and self.layers is None and p.key == "ckpt.layers")]
         problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)

@@ -64,7 +64,7 @@ from torch import nn
 
 from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
-from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.keys import args_section
 from ckpt_plugin.config.schema import MODES, AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
 from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing

@@ -23,7 +23,7 @@ from torch import nn
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin._compat import hook_count
-from ckpt_plugin.config.plan import plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.measure.fake import NotFakeable

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_plugin.config.schema import MODES, AutoConfig, make_config, user_keys
-from ckpt_plugin.configs import CALLBACK_TARGET
+from ckpt_plugin.config.hydra import CALLBACK_TARGET
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 
 log = logging.getLogger("ckpt_plugin")

@@ -1,0 +1,87 @@
+"""One config becomes one plan: what the engine installs, for every mode, ``auto`` included.
+
+    plan = plan_for(model, make_config(layers="TransformerBlock"))   # WrapPlan: what and how
+
+:func:`plan_for` is the only place that reads a validated ``ckpt`` config and
+decides what the engine does: which modules (``engine/selection.py``), how each
+call runs (``treatment.py``), one checkpoint per layer or segments over a chain
+(``segments.py``), or, for ``ckpt=auto``, what the planner chose from a profile
+(``auto.py``). It dispatches on the config's type and never touches the model;
+``install.py`` puts the plan on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from ckpt_plugin._compat import user_module
+from ckpt_plugin.apply.auto import auto_plan, given_plan
+from ckpt_plugin.apply.segments import chain_problems, optimal_plan
+from ckpt_plugin.apply.treatment import compiled_line, treatment_of
+from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig
+from ckpt_plugin.config.values import backend_of
+from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
+from ckpt_plugin.engine.selection import resolve_layers, select_layers
+from ckpt_plugin.engine.wrap import check_plan
+from ckpt_plugin.errors import Problem, raise_problems
+from ckpt_plugin.measure.sample import example_forward
+
+
+def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> WrapPlan:
+    """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
+
+    ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
+    profile and the segments' chain check (on fake tensors); by default
+    ``model(model.example_input_array)``, if it has one. ``model`` may be
+    wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
+    """
+    given, model = model, user_module(model)
+    if isinstance(config, NoneConfig):
+        return WrapPlan()
+    if isinstance(config, AutoConfig) and config.plan is not None:
+        return given_plan(model, config)
+    layers, note = resolve_layers(model, config.layers)
+    note = note or ""
+    names = select_layers(model, layers, config.every_n)
+    if isinstance(config, AutoConfig):
+        return auto_plan(given, model, config, names, forward or sample_forward(model), note)
+    segments = getattr(config, "segments", None)
+    if segments is None:
+        backend = backend_of(config.compile)
+        summary = "\n".join(filter(None, [note, compiled_line(config, backend, len(names))]))
+        return WrapPlan((EachLayer(tuple(names), treatment_of(config), compile=backend),), summary=summary, note=note)
+    if config.every_n != 1:
+        raise_problems([Problem(
+            "ckpt.segments",
+            f"ckpt.segments={segments} cannot be combined with ckpt.every_n={config.every_n}: "
+            "segments group consecutive layers", "drop one of the two")])
+    optimal = segments == "optimal"  # planned below, once the layers are known to be a chain
+    group = Segments(tuple(names), 1 if optimal else segments, treatment_of(config))
+    plan = WrapPlan((group,), summary=note, note=note)
+    check_plan(model, plan)  # where the layers sit, first: nothing runs for layers that cannot be a chain
+    if optimal:
+        forward = forward or sample_forward(model, "ckpt.segments", "ckpt.segments=optimal")
+    elif forward is None and getattr(model, "example_input_array", None) is not None:
+        forward = example_forward(model)
+    if forward is not None:
+        raise_problems(chain_problems(model, names, forward), "ckpt.segments")
+    return optimal_plan(model, config, names, forward, note) if optimal else plan
+
+
+def sample_forward(model: nn.Module, key: str = "ckpt.mode", who: str = "ckpt=auto") -> Callable[[], Any]:
+    """``model(example_input_array)``; a model without one is the user's to fix, so a ConfigError."""
+    if getattr(model, "example_input_array", None) is None:
+        raise_problems([Problem(
+            key,
+            f"{who} profiles the layers on a sample input: set `example_input_array` on {type(model).__name__} "
+            "(Lightning's convention: a tensor, a tuple of arguments or a dict)",
+            "or choose another ckpt preset (under Lightning's callback, the call training_step makes with the first "
+            "training batch serves too)",
+        )])
+    return example_forward(model)
+
+
+__all__ = ["plan_for", "sample_forward"]
