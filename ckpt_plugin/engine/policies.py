@@ -13,13 +13,13 @@ JAX's checkpoint policies, for PyTorch's non-reentrant checkpoint::
 
 The decision is torch's (``SelectivePolicy`` is a ``create_selective_checkpoint_contexts``
 policy function), but ``context_fn`` returns our own pair of dispatch modes
-rather than torch's, for one reason: torch keeps the saved outputs in a private
+(``selective_modes.py``) rather than torch's, for one reason: torch keeps the saved outputs in a private
 dict that ``saved_tensors_hooks`` never see, so they escape both our
 measurements (``measure.saved_bytes``) and CPU offloading. Ours hand every
 saved output to the hooks that were active around the checkpoint call, exactly
 as autograd hands it the tensors it saves. (Under ``torch.compile``, which wants
 torch's own modes, pass ``lambda: create_selective_checkpoint_contexts(policy)``;
-``checkpoint_name`` tags are then not emitted.)
+``checkpoint_name`` tags (``name_tags.py``) are then not emitted.)
 
 Random ops are always recomputed: a saved op is not run again, so if it drew
 random numbers the recomputation's RNG stream (replayed from the forward's
@@ -30,8 +30,6 @@ attention counts as random only in calls with ``dropout_p > 0``.
 
 from __future__ import annotations
 
-import contextvars
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,8 +39,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 from ckpt_plugin._compat import TorchDispatchMode, argument as _argument, is_mutable as _is_mutable
-from ckpt_plugin._compat import storage_key as _storage_key, written as _written
-from ckpt_plugin._compat import outer_saved_tensors_hooks as _outer_saved_tensors_hooks, version as _version
+from ckpt_plugin.engine.name_tags import NAME_OP, checkpoint_name
+from ckpt_plugin.engine.selective_modes import SavedOutputModified, region_modes
 
 
 _Packet = type(torch.ops.aten.mm)
@@ -68,51 +66,6 @@ MATMULS = MATMULS_NO_BATCH + (
 BATCHED_MATMULS = frozenset(op for op in MATMULS if op not in MATMULS_NO_BATCH and "conv" not in op)
 POLICIES = ("matmuls", "matmuls_no_batch", "names")
 _OPS_OF = {"matmuls": MATMULS, "matmuls_no_batch": MATMULS_NO_BATCH}  # the policies that are op lists
-
-# Ops that checkpoint itself runs a different number of times in forward and recompute
-# (torch's SAC_IGNORED_OPS): counting them would misalign the replay.
-_UNCOUNTED = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
-
-
-# ---------------------------------------------------------------------- checkpoint_name
-
-# Not "ckpt_plugin::name": torch.ops.<namespace>.name is the namespace's own name string.
-@torch.library.custom_op("ckpt_plugin::checkpoint_name", mutates_args=())
-def _name(x: torch.Tensor, name: str) -> torch.Tensor:
-    # A copy: a custom op may not return its input. The copy is what gets saved.
-    return x.clone()
-
-
-@_name.register_fake
-def _(x: torch.Tensor, name: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-_name.register_autograd(lambda ctx, grad: (grad, None))
-_NAME_OP = torch.ops.ckpt_plugin.checkpoint_name.default
-
-# True while a region whose policy goes by names runs its forward or its recomputation.
-# This is not hidden global state: like grad mode or autocast, the value is scoped to the
-# dynamic extent of one region (set on entry, reset by token on exit), per thread and
-# per async context, so it never outlives the region nor leaks into another model.
-_NAMING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckpt_plugin_naming", default=False)
-
-
-def checkpoint_name(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Tag ``x`` so that a ``policy="names"`` region can save or recompute it by ``name``.
-
-    JAX's ``checkpoint_name``. Outside such a region it returns ``x`` itself:
-    no op and no copy, so tagged model code costs nothing when not checkpointed.
-    """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"checkpoint_name expects a tensor, got {type(x).__name__}")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"checkpoint_name: the name must be a non-empty string, got {name!r}")
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace ContextVar.get (a graph break per tag). Compiled, tags are inert:
-        # a names region refuses torch.compile (treatment.NAMES_UNDER_COMPILE).
-        return x
-    return _NAME_OP(x, name) if _NAMING.get() else x
 
 
 # ---------------------------------------------------------------------- op names
@@ -266,7 +219,7 @@ class SelectivePolicy:
 
     def saves(self, op: Any, args: tuple, kwargs: dict, *, record: bool = True) -> bool:
         """Whether the output of this call of ``op`` is kept for backward."""
-        if op is _NAME_OP:
+        if op is NAME_OP:
             if not self.uses_names:  # a names region nested in this one tags for itself
                 return False
             name = args[1]
@@ -283,8 +236,7 @@ class SelectivePolicy:
     def context_fn(self, module: str | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         """(forward, recompute) contexts for one checkpointed call; give it to ``checkpoint``.
         ``module``: the name of the module checkpointed, for errors."""
-        region = _Region(self, module)
-        return _SaveMode(region), _ReplayMode(region)
+        return region_modes(self, module)
 
     def check_names(self) -> None:
         """Raise if a name in save_names/exclude_names was never met by a forward."""
@@ -309,208 +261,6 @@ def make_policy(policy: Any, *, save_names: Any = None, exclude_names: Any = Non
     ``save_names`` and ``exclude_names``; errors name those keys."""
     return SelectivePolicy(policy, save_names=save_names, exclude_names=exclude_names)
 
-
-# ---------------------------------------------------------------------- the two modes
-
-class SavedOutputModified(RuntimeError):
-    """A selective policy saved an op's output that was then modified in place after the region returned it: the
-    recomputation would read the modified value. ``op``: that op; ``module``: the name of the checkpointed module
-    whose forward saved it, where known (``wrap.CheckpointedForward`` gives it)."""
-
-    def __init__(self, op: Any, module: str | None = None) -> None:
-        self.op, self.module = op, module
-        of = f" of {module}" if module else ""
-        super().__init__(
-            f"selective checkpointing{of} saved the output of {op} and it was then modified in place (an "
-            "inplace op such as ReLU(inplace=True) on it); the recomputation would use the modified "
-            f"value. Make that op out-of-place, or leave {op} out of ckpt.policy."
-        )
-
-
-class _Saved:
-    """One saved output: packed by the caller's hooks if any, else kept as a detached alias.
-
-    An op of the region about to write into it (``scores.add_(mask)``, through a view
-    too) makes it keep a copy of its value first (``before_write``): the recomputation
-    hands that back, and the same write runs on it again. A write after the region
-    (the region returned it) cannot be seen coming: ``value`` refuses it, naming the op
-    and the module (``SavedOutputModified``).
-    """
-
-    __slots__ = ("op", "module", "tensor", "version", "packed", "pack", "unpack", "aliases")
-
-    def __init__(self, op: Any, out: torch.Tensor, hooks: tuple[Any, Any] | None, module: str | None) -> None:
-        self.op, self.module, self.version = op, module, _version(out)
-        # The op's own output until the forward ends: beneath autograd, a detached tensor
-        # gets a version counter of its own and would miss in-place writes to the output.
-        self.tensor: torch.Tensor | None = out
-        self.pack, self.unpack = hooks if hooks else (None, None)
-        self.packed = self.pack(out.detach()) if self.pack else None
-        # Later outputs of the region on the same storage that autograd does not count as views, so that
-        # they keep a version counter of their own: ``_unsafe_view`` (torch 2.15's ``linear`` on a 3-d
-        # input returns the addmm output through it, 2.13's through a view). A write into one of them
-        # after the region is a write into this output: ``value`` checks theirs too.
-        self.aliases: list[tuple[torch.Tensor, int]] = []
-
-    def _aliased(self, out: torch.Tensor) -> bool:
-        """Whether the hook kept the output itself (a counter's), not a copy (offload's)."""
-        return isinstance(self.packed, torch.Tensor) and _storage_key(self.packed) == _storage_key(out)
-
-    def before_write(self) -> None:
-        """An op of the region is about to write into the output: keep its value as it is now (a hook's copy
-        has it already). A counter's hook then counts both the output and the copy: our own byte counts,
-        not MemTracker's, take this rare layer as keeping one output more."""
-        if self.pack is not None and not self._aliased(self.tensor):
-            self.version = -1  # the copy stands alone: nothing to compare
-            return
-        kept = self.tensor.detach().clone()
-        self.tensor, self.version, self.aliases = kept, _version(kept), []
-        self.packed = self.pack(kept.detach()) if self.pack else None
-
-    def end_of_forward(self) -> None:
-        out = self.tensor
-        # Let go of the output's autograd history, which would hold the region in a cycle. A detached
-        # alias, made outside dispatch, shares the output's version counter (one made beneath autograd,
-        # as the hook got it, has its own): kept unpacked, or where the hook kept the output itself (a
-        # counter's), whose writes would reach it. A hook's copy (offload's) stands for it alone.
-        self.tensor = out.detach() if self.unpack is None or self._aliased(out) else None
-        # The aliases only where the output itself is kept (their storage is then held anyway): beside a hook's
-        # copy, or a holder that drops the output (an enclosing checkpoint's, ``full`` with parts inside), they
-        # would keep the storage alive to backward, bytes the peak model does not count.
-        kept = self.version >= 0 and self.tensor is not None
-        self.aliases = [(alias.detach(), v) for alias, v in self.aliases] if kept else []
-        if self.version >= 0 and _version(out) != self.version:
-            raise SavedOutputModified(self.op, self.module)
-
-    def value(self) -> torch.Tensor:
-        if self.tensor is not None and _version(self.tensor) != self.version or any(
-                _version(alias) != v for alias, v in self.aliases):
-            raise SavedOutputModified(self.op, self.module)
-        return self.unpack(self.packed) if self.unpack is not None else self.tensor
-
-
-def _map(fn: Any, out: Any) -> Any:
-    """``fn`` over the leaves of an op's output (a tensor, or a tuple/list of tensors and others)."""
-    return type(out)(_map(fn, o) for o in out) if isinstance(out, (tuple, list)) else fn(out)
-
-
-class _Region:
-    """One checkpointed call: the outputs its forward saved, keyed by (op, n-th call of op)."""
-
-    def __init__(self, policy: SelectivePolicy, module: str | None = None) -> None:
-        self.policy, self.module = policy, module  # module: the checkpointed module's name, for errors
-        # context_fn runs before checkpoint installs its own hooks: these are the caller's.
-        self.hooks = _outer_saved_tensors_hooks()
-        self.saved: dict[tuple[Any, int], Any] = {}
-        self.fresh: list[_Saved] = []  # saved by the forward running now
-        self.unwritten: dict[Any, list[_Saved]] = {}  # storage -> those of fresh still as the op wrote them
-
-    def save(self, key: tuple[Any, int], out: Any) -> None:
-        def one(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            saved = _Saved(key[0], t, self.hooks, self.module)
-            self.fresh.append(saved)
-            self.unwritten.setdefault(_storage_key(t), []).append(saved)
-            return saved
-
-        self.saved[key] = _map(one, out)
-
-    def after(self, out: Any) -> None:
-        """An op of the region returned ``out``: an output on the storage of a saved one, not yet written, is
-        an alias whose writes ``_Saved.value`` must see too (see ``_Saved.aliases``)."""
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                for saved in self.unwritten.get(_storage_key(t), ()):
-                    if t is not saved.tensor:
-                        saved.aliases.append((t, _version(t)))
-
-    def before(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """``func`` is about to run: the saved outputs it writes into keep their values first."""
-        if self.unwritten:
-            for t in _written(func, args, kwargs):
-                for saved in self.unwritten.pop(_storage_key(t), ()):
-                    saved.before_write()
-
-    def end_of_forward(self) -> list[_Saved]:
-        """The outputs the forward saved, now that it has ended (each to let go of the output)."""
-        fresh, self.fresh, self.unwritten = self.fresh, [], {}
-        return fresh
-
-
-class _RegionMode(TorchDispatchMode):
-    def __init__(self, region: _Region) -> None:
-        super().__init__()
-        self.region = region
-        self.calls: dict[Any, int] = defaultdict(int)
-
-    def key(self, op: Any) -> tuple[Any, int]:
-        self.calls[op] += 1
-        return op, self.calls[op] - 1
-
-    def __enter__(self) -> _RegionMode:
-        self.calls.clear()
-        self._token = _NAMING.set(self.region.policy.uses_names)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        _NAMING.reset(self._token)
-
-
-class _SaveMode(_RegionMode):
-    """Forward: run every op, keep the outputs the policy saves."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        self.region.before(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if self.region.unwritten and not _is_mutable(func):
-            self.region.after(out)
-        if func not in _UNCOUNTED:
-            key = self.key(func)
-            if self.region.policy.saves(func, args, kwargs):
-                self.region.save(key, out)
-        return out
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        errors = []
-        for saved in self.region.end_of_forward():  # every one lets go of its output, even past an error
-            try:
-                saved.end_of_forward()
-            except RuntimeError as err:
-                errors.append(err)
-        if errors and exc[0] is None:
-            raise errors[0]
-
-
-class _ReplayMode(_RegionMode):
-    """Recomputation: hand back what was saved, run everything else again."""
-
-    def __enter__(self) -> _RegionMode:
-        policy = self.region.policy
-        if policy.check_in_backward:  # the first recomputation of the first backward: once
-            policy.check_in_backward = False
-            policy.check_names()
-        # Unpack here, outside dispatch: an unpack hook may run ops of its own (copies back
-        # from CPU, an enclosing checkpoint's recomputation).
-        unpack = lambda e: e.value() if isinstance(e, _Saved) else e  # noqa: E731
-        self.ready = {key: _map(unpack, entry) for key, entry in self.region.saved.items()}
-        # Consumed once: a second backward (retain_graph=True) recomputes everything.
-        self.region.saved.clear()
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self.ready = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = _RECOMPUTE if func in _UNCOUNTED else self.ready.pop(self.key(func), _RECOMPUTE)
-        return func(*args, **(kwargs or {})) if out is _RECOMPUTE else out
-
-
-_RECOMPUTE = object()
 
 __all__ = [
     "BATCHED_MATMULS",
