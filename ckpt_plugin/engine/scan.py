@@ -106,6 +106,42 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# Each ``outputs`` takes one schedule argument and refuses the other: (takes, refuses).
+_SCHEDULE_OF = {"all": ("save_every_n", "snapshots"), "last": ("snapshots", "save_every_n")}
+# What each schedule argument is, said when it is given to the other ``outputs``, missing, or not an int >= 1.
+_FOR_THE_OTHER = {
+    "snapshots": "is for outputs='last' (the last carry only, Griewank's binomial schedule); with outputs='all' "
+                 "every carry is returned and save_every_n sets the windows",
+    "save_every_n": "is for outputs='all' (windows of the stacked carries); with outputs='last' snapshots=k alone "
+                    "sets the schedule",
+}
+_NEEDED = {
+    "save_every_n": "is needed with outputs='all' (the default): an int >= 1, the number of steps per checkpointed "
+                    "window; or pass outputs='last' and snapshots=k for the last carry only",
+    "snapshots": "is needed with outputs='last': an int >= 1, the most carries kept at once, init included",
+}
+_MEANING = {
+    "save_every_n": "must be an int >= 1: the number of steps per checkpointed window (1 keeps every carry, n_steps "
+                    "or more checkpoints the whole loop as one window, about sqrt(n_steps) keeps the least)",
+    "snapshots": "must be an int >= 1: the most carries kept at once, init included (1 recomputes every step from "
+                 "init, n_steps or more keeps every carry)",
+}
+
+
+def _schedule_problems(outputs: str, given: dict[str, Any]) -> list[str]:
+    """The problems with ``save_every_n`` and ``snapshots`` (``given``) for ``outputs`` ('all' or 'last')."""
+    takes, refuses = _SCHEDULE_OF[outputs]
+    problems = []
+    if given[refuses] is not None:
+        problems.append(f"{refuses}={given[refuses]!r} {_FOR_THE_OTHER[refuses]}")
+    value = given[takes]
+    if value is None:
+        problems.append(f"{takes} {_NEEDED[takes]}")
+    elif not _is_int(value) or value < 1:
+        problems.append(f"{takes}={value!r} {_MEANING[takes]}")
+    return problems
+
+
 def _check_arguments(
     fn: Any,
     init: Any,
@@ -140,39 +176,8 @@ def _check_arguments(
             f"outputs={outputs!r} must be 'all' (every carry stacked, with save_every_n) "
             "or 'last' (the last carry only, with snapshots)"
         )
-    elif outputs == "all":
-        if snapshots is not None:
-            problems.append(
-                f"snapshots={snapshots!r} is for outputs='last' (the last carry only, Griewank's binomial "
-                "schedule); with outputs='all' every carry is returned and save_every_n sets the windows"
-            )
-        if save_every_n is None:
-            problems.append(
-                "save_every_n is needed with outputs='all' (the default): an int >= 1, the number of steps "
-                "per checkpointed window; or pass outputs='last' and snapshots=k for the last carry only"
-            )
-        elif not _is_int(save_every_n) or save_every_n < 1:
-            problems.append(
-                f"save_every_n={save_every_n!r} must be an int >= 1: the number of steps per checkpointed "
-                "window (1 keeps every carry, n_steps or more checkpoints the whole loop as one window, "
-                "about sqrt(n_steps) keeps the least)"
-            )
     else:
-        if save_every_n is not None:
-            problems.append(
-                f"save_every_n={save_every_n!r} is for outputs='all' (windows of the stacked carries); "
-                "with outputs='last' snapshots=k alone sets the schedule"
-            )
-        if snapshots is None:
-            problems.append(
-                "snapshots is needed with outputs='last': an int >= 1, the most carries kept at once, "
-                "init included"
-            )
-        elif not _is_int(snapshots) or snapshots < 1:
-            problems.append(
-                f"snapshots={snapshots!r} must be an int >= 1: the most carries kept at once, init included "
-                "(1 recomputes every step from init, n_steps or more keeps every carry)"
-            )
+        problems += _schedule_problems(outputs, {"save_every_n": save_every_n, "snapshots": snapshots})
     if not isinstance(non_sequences, (tuple, list)):
         hint = ""
         if isinstance(non_sequences, torch.Tensor):
