@@ -14,7 +14,7 @@ plan, the median measured step, the predicted step and the error.
 One intra-op thread by default, and ``--clock process`` (CPU seconds of this
 process, for the prediction and the real steps alike) on a machine shared with
 other work: there a second thread, and wall-clock time, measure the neighbours.
-The numbers are in ``ckpt_plugin/planning/timing.py``'s docstring.
+The numbers are in ``docs/bench/timing.md``.
 """
 
 from __future__ import annotations

@@ -31,49 +31,18 @@ call through ``torch.compile(fullgraph=True)`` with its checkpoint inside, as
 ``ckpt.compile`` runs it (``engine/regional.py``); alike layers share one graph
 per option, compiled in the untimed warm-up round.
 
-The median and not the minimum: we predict a typical step, and the median of
-three drops one outlier on either side, where the minimum picks each option's
-one lucky sample on its own. On the ResNet the two predicted alike, within the
-machine's noise (sum of full's added time 36-60 ms either way; real 42-47 ms).
+Each option's time is the median of ``repeats`` interleaved calls (``clock.py``
+says why the median). How well the predictions hold against real steps of
+installed plans (``python -m ckpt_tools.evaluate_timing``) is in
+``docs/bench/timing.md``.
 
-How well it predicts (``python -m ckpt_tools.evaluate_timing --clock process``:
-real steps of plans installed by ``apply_checkpointing``, median of 10 rounds,
-5 for the 12-block GPT; one intra-op thread and CPU seconds of the process, as
-the 2 shared cores were loaded 4-7 deep by other work; predicted / measured - 1,
-two runs where two are shown)::
-
-                              none         full         selective    full on every 2nd
-    GPT, 12 blocks (2.3 s)    +4.0%        +4.4%        +1.1%        +3.2%
-    GPT, 4 small blocks       +0.1 / -0.4  -0.5 / -6.5  +1.7 / -2.6  -0.4 / -7.3
-    ResNet, 6 Bottlenecks     -18 / +14    -2.0 / +5.5  +12 / +8.4   -17 / +1.1
-
-The ResNet's errors move sign between runs: noise of the machine (its real
-steps alone spread 82-108 ms for one plan), not a bias. On wall-clock time with
-torch's default two threads the same machine gives errors up to 5x: a second
-thread waits on other processes.
-
-RuntimeEstimator (``torch.distributed._tools.runtime_estimator``) was the
-alternative: it runs on fake tensors, so it needs no memory at all. It does not
-run on CPU (torch 2.13): its benchmark mode times ops with ``torch.cuda.Event``
-and its roofline mode asserts ``torch.cuda.is_available()`` (it reads the GPU's
-peak FLOP/s and DRAM bandwidth). With those parts replaced by CPU ones (a
-process-time event; 63-83 GFLOP/s and 23-25 GB/s measured), the recompute time
-it predicts for all layers, against real steps' full - none and selective - none:
-
-                              real            measured here   benchmark      roofline
-    GPT, 12 blocks, full      976 ms          987 / 1047      1024           639
-    GPT, 12 blocks, selective 545 ms          527 / 562       411            275
-    GPT, small, full          15.9 ms         16.4 / 16.2     10.3           4.2
-    GPT, small, selective     27.6 ms         27.4 / 26.3     9.0            2.9
-    ResNet, full              42.5 ms         61 / 52         24.3           14.7
-    ResNet, selective         49.2 ms         61 / 43         12.9           10.9
-
-It sums the ops' own times, so it misses what checkpointing costs around them
-(the selective policy's dispatch mode on every op, checkpoint's bookkeeping):
-on all three models it ranks ``selective`` cheaper than ``full``, and on CPU
-the small GPT and the ResNet pay more for ``selective``. The measured times
-stay; the cost is one forward, ``3 x (repeats + 1)`` runs of each *kind* of layer
-(alike blocks are timed once) and ``step_repeats`` steps with every layer ``full``.
+RuntimeEstimator (``torch.distributed._tools.runtime_estimator``) would need no
+memory, but it does not run on CPU, and it sums the ops' own times, missing
+what checkpointing costs around them (the selective policy's dispatch mode,
+checkpoint's bookkeeping), so it ranks ``selective`` cheaper than ``full``
+where it is not (``docs/bench/timing.md``). The measured times stay; the cost
+is one forward, ``3 x (repeats + 1)`` runs of each *kind* of layer (alike
+blocks are timed once) and ``step_repeats`` steps with every layer ``full``.
 """
 
 from __future__ import annotations
@@ -82,84 +51,23 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import forget_compiled, keystr, tree_flatten_with_path, tree_leaves, tree_map
+from ckpt_plugin._compat import forget_compiled, tree_leaves, tree_map
+from ckpt_plugin.engine.forwards import TemporaryForwards
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.engine.side_effects import without_cache
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
 from ckpt_plugin.measure.memory import SavedCounter, side_effect_free
+from ckpt_plugin.planning.clock import fresh, input_signature, layer_kind, synchronized, time_calls
+from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
 
 log = logging.getLogger("ckpt_plugin")
-
-# (option, or "option compiled (backend)", layer kind and input signature) -> seconds of one call; see
-# measure_layer_times' ``cache``.
-TimingCache = dict[tuple[str, tuple], float]
-
-
-@dataclass(frozen=True)
-class LayerTimes:
-    """Measured seconds of each layer under each option, and of the step with every layer ``full``."""
-
-    seconds: dict[str, dict[str, float]]  # layer -> option -> its forward + backward (+ recompute), summed over calls
-    full_step_seconds: float  # one real training step with every candidate under "full"
-    compiled: Mapping[str, str] = field(default_factory=dict)  # option -> the backend it was timed through
-    # layer -> compiled option -> bytes its compiled calls keep for backward (its inputs included), summed over calls
-    kept_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    parts: tuple[str, ...] = ()  # of ``seconds``, the parts inside layers (timed alone, not in the step with every layer full)
-    # What the rest of the model keeps when the whole step runs compiled with every layer ``full`` (None: not
-    # measured; see ``measure_layer_times``' ``whole_step``).
-    compiled_rest_bytes: int | None = None
-
-    @property
-    def how(self) -> str:
-        """How the options were run when timed: ``eager``, or which ran compiled through which backend."""
-        if not self.compiled:
-            return "eager"
-        by_backend: dict[str, list[str]] = {}
-        for option, backend in self.compiled.items():
-            by_backend.setdefault(backend, []).append(option)
-        eager = [o for o in next(iter(self.seconds.values()), {}) if o not in self.compiled]
-        parts = [f"{_listed(options)} compiled ({backend})" for backend, options in by_backend.items()]
-        return "; ".join(parts + ([f"{_listed(eager)} eager"] if eager else []))
-
-    def added(self, name: str, option: str) -> float:
-        """What ``option`` adds to the step over not checkpointing layer ``name`` (0 for ``keep``)."""
-        return self.seconds[name][option] - self.seconds[name]["keep"]
-
-    @property
-    def predicted_none_seconds(self) -> float:
-        """The step without checkpointing, predicted (never run: it may not fit)."""
-        return self.full_step_seconds - sum(self.added(name, "full") for name in self.seconds if name not in self.parts)
-
-    def predicted_seconds(self, choices: Mapping[str, str]) -> float:
-        """The step with layer ``name`` under ``choices[name]`` (``keep`` where not named)."""
-        unknown = sorted(set(choices) - set(self.seconds))
-        if unknown:
-            raise ValueError(f"no timings for {', '.join(map(repr, unknown))}; timed: {', '.join(self.seconds)}")
-        return self.predicted_none_seconds + sum(self.added(name, option) for name, option in choices.items())
-
-    def __str__(self) -> str:
-        options = list(next(iter(self.seconds.values()), {"keep": 0.0}))
-        width = max([len("layer"), *(len(name) for name in self.seconds)])
-        lines = [f"{'layer':<{width}}  " + "  ".join(f"{o + ' ms':>12}" for o in options)]
-        lines += [f"{name:<{width}}  " + "  ".join(f"{1e3 * row[o]:>12.2f}" if o in row else f"{'-':>12}"
-                                                 for o in options)
-                  for name, row in self.seconds.items()]
-        lines.append(f"step with every layer full: {1e3 * self.full_step_seconds:.1f} ms, "
-                     f"predicted without checkpointing: {1e3 * self.predicted_none_seconds:.1f} ms; timed {self.how}")
-        return "\n".join(lines)
-
-
-def _listed(words: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return " and ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def measure_layer_times(
@@ -257,7 +165,7 @@ def measure_layer_times(
     if unknown:
         raise ValueError(f"compiled names {', '.join(map(repr, unknown))}, not options: {', '.join(options)}")
     runs = _Runs(options, compiled, len(names) + len(parts))
-    now = _synchronized(model, clock)
+    now = synchronized(model, clock)
     grads = {p: p.grad for p in model.parameters()}
     try:
         with side_effect_free(model), checkpointing_disabled(model), _eager_unless_ours(compiled):
@@ -335,12 +243,12 @@ def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[str]], for
         # Alike layers (the blocks of a transformer) are timed once: same class, same parameter
         # shapes, same inputs; a stack of twelve blocks costs one block's timing.
         args, kwargs = without_cache(args, kwargs)  # each timed run must not add to the model's KV cache
-        signature = (_kind(module), module.training, *_signature((args, kwargs)))
+        signature = (layer_kind(module), module.training, *input_signature((args, kwargs)))
         todo = [o for o in timed[name] if (runs.key(o), signature) not in cache]
         if todo:
             calls = {o: runs.of(o, module, name) for o in todo}
             with torch.enable_grad():
-                times = _time_calls(calls, args, kwargs, list(module.parameters()), repeats, now)
+                times = time_calls(calls, args, kwargs, list(module.parameters()), repeats, now)
             cache.update({(runs.key(o), signature): s for o, s in times.items()})
         for option in timed[name]:
             seconds[name][option] += cache[(runs.key(option), signature)]
@@ -360,33 +268,11 @@ def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[str]], for
             handle.remove()
 
 
-def _time_calls(runs: dict[str, Callable[..., Any]], args: tuple, kwargs: dict, params: list[nn.Parameter],
-                repeats: int, now: Callable[[], float]) -> dict[str, float]:
-    """Median seconds of ``run`` forward + backward per option, options interleaved, after one warm-up each."""
-    samples: dict[str, list[float]] = {option: [] for option in runs}
-    for round_ in range(repeats + 1):
-        for option, run in runs.items():
-            inputs_args, inputs_kwargs = tree_map(_fresh, (args, kwargs))
-            for p in params:  # as after zero_grad(set_to_none=True): backward makes, not adds
-                p.grad = None
-            start = now()
-            out = run(*inputs_args, **inputs_kwargs)
-            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outputs:
-                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-            if round_:  # round 0 warms up
-                samples[option].append(now() - start)
-            del out, outputs, inputs_args, inputs_kwargs
-    for p in params:
-        p.grad = None
-    return {option: statistics.median(s) for option, s in samples.items()}
-
-
 def _kept_bytes(run: Callable[..., Any], module: nn.Module, args: tuple, kwargs: dict) -> int:
     """Bytes one call of ``run`` keeps for backward: what it saves (each storage once, the module's
-    parameters and buffers excluded) and its inputs, which every option holds (``profile.py``)."""
+    parameters and buffers excluded) and its inputs, which every option holds (``recorder.py``)."""
     counter = SavedCounter(module)
-    inputs_args, inputs_kwargs = tree_map(_fresh, (args, kwargs))
+    inputs_args, inputs_kwargs = tree_map(fresh, (args, kwargs))
     for t in tree_leaves((inputs_args, inputs_kwargs)):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             counter.add(t)
@@ -401,7 +287,7 @@ def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Ca
     """Step 2: median seconds of ``repeats`` real steps (forward and backward) with every candidate ``full``."""
     params = list(modules[""].parameters())
     samples = []
-    with _forwards(modules, {name: runs.of("full", modules[name], name) for name in names}):
+    with TemporaryForwards([(modules[name], runs.of("full", modules[name], name)) for name in names]):
         for step in range(repeats):
             for p in params:
                 p.grad = None
@@ -417,22 +303,6 @@ def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Ca
     return statistics.median(samples)
 
 
-@contextlib.contextmanager
-def _forwards(modules: dict[str, nn.Module], forwards: Mapping[str, Callable[..., Any]]) -> Iterator[None]:
-    """Each named module called through its given forward for a while; its own forward (or none) after."""
-    previous = {name: modules[name].__dict__.get("forward") for name in forwards}
-    try:
-        for name, run in forwards.items():
-            modules[name].__dict__["forward"] = run
-        yield
-    finally:
-        for name, forward_before in previous.items():
-            if forward_before is None:
-                modules[name].__dict__.pop("forward", None)
-            else:
-                modules[name].__dict__["forward"] = forward_before
-
-
 PARTITION_ONLY = {"inductor": "aot_eager_decomp_partition"}  # a backend -> one that partitions alike, generating no code
 
 
@@ -443,7 +313,7 @@ def _whole_step_bytes(modules: dict[str, nn.Module], names: list[str], forward: 
     it does not compile (the plan then counts the rest's eager bytes)."""
     counter = SavedCounter(modules[""])
     try:
-        with _forwards(modules, {name: CheckpointedForward(modules[name], full, name) for name in names}):
+        with TemporaryForwards([(modules[name], CheckpointedForward(modules[name], full, name)) for name in names]):
             compiled = torch.compile(_whole, backend=PARTITION_ONLY.get(backend, backend))
             with torch.compiler.set_stance("default"), torch.enable_grad(), counter.hooks():
                 out = compiled(forward)
@@ -459,45 +329,6 @@ def _whole_step_bytes(modules: dict[str, nn.Module], names: list[str], forward: 
 def _whole(forward: Callable[[], Any]) -> Any:
     """The step's forward, as :func:`_whole_step_bytes` compiles it (a code object of ours, forgotten after)."""
     return forward()
-
-
-def _fresh(x: Any) -> Any:
-    """A floating-point input as in training: it wants its gradient. A copy of a fresh leaf, not the
-    leaf: a layer may write into its input in place (autograd refuses that on a leaf), and must
-    not write into the real one, which the no-grad forward goes on with. Other inputs as they are."""
-    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-        return x.detach().requires_grad_(True).clone()
-    return x
-
-
-def _kind(module: nn.Module) -> tuple:
-    """What a layer's time depends on besides its inputs: its class and its parameters' shapes."""
-    return (type(module).__qualname__,
-            *((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()))
-
-
-def _signature(tree: Any) -> Iterator[tuple]:
-    """What a layer's time depends on in its inputs: each tensor's shape, dtype, device; other values as such."""
-    pairs, _spec = tree_flatten_with_path(tree)
-    for path, leaf in pairs:
-        if isinstance(leaf, torch.Tensor):
-            yield keystr(path), tuple(leaf.shape), leaf.dtype, leaf.device.type
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            yield keystr(path), leaf
-        else:
-            yield keystr(path), type(leaf).__qualname__
-
-
-def _synchronized(model: nn.Module, clock: Callable[[], float]) -> Callable[[], float]:
-    """``clock``, reading it only once the accelerator has finished, when the model is on one."""
-    if {t.device.type for t in (*model.parameters(), *model.buffers())} <= {"cpu", "meta"}:
-        return clock
-
-    def now() -> float:
-        torch.accelerator.synchronize()
-        return clock()
-
-    return now
 
 
 def check_candidates(model: nn.Module, names: list[str]) -> None:
