@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -18,27 +19,53 @@ from torch import nn
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import CkptConfig, make_config
+from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.wrap import install, policy_of
 
 log = logging.getLogger("ckpt_plugin")
 
 
+@dataclass
+class Installation:
+    """A plan installed on a model: the modules wrapped, and the one check left until a forward has run.
+
+    With ``ckpt.policy=names`` a name in ``ckpt.save_names``/``exclude_names`` that
+    no ``checkpoint_name`` used would save nothing, silently; only a forward shows
+    which names were used, so :meth:`check_names` runs once one has (the Lightning
+    callback after its first step; :func:`apply_config` at the first backward).
+    """
+
+    plan: WrapPlan
+    names: list[str]
+    names_policy: Any = None  # the selective policy that goes by checkpoint_name tags, until checked
+
+    def check_names(self) -> None:
+        """Raise, naming them, for the policy's names no ``checkpoint_name`` used; once."""
+        policy, self.names_policy = self.names_policy, None
+        if policy is not None:
+            policy.check_names()
+
+
+def install_plan(model: nn.Module, plan: WrapPlan) -> Installation:
+    """Put ``plan`` on ``model`` (replacing what the plugin had put there) and say what was installed."""
+    names = install(model, plan)
+    policy = policy_of(user_module(model))
+    return Installation(plan, names, policy if policy is not None and policy.uses_names else None)
+
+
 def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> list[str]:
     """Plan ``config`` on ``model`` and install the plan; returns the qualified names wrapped.
 
-    With ``ckpt.policy=names``, the first backward checks the names, as the
-    Lightning callback does after its first step and ``checkpoint()`` after its
-    first call: a name in ``ckpt.save_names``/``exclude_names`` that no
-    ``checkpoint_name`` used would otherwise save nothing, silently.
+    The plan's summary goes to the ``ckpt_plugin`` logger. With ``ckpt.policy=names``
+    the names are checked as the first backward starts (:class:`Installation`).
     """
     plan = plan_for(model, config, forward)
-    names = install(model, plan)
+    installed = install_plan(model, plan)
     if plan.summary:
         log.info(plan.summary)
-    policy = policy_of(user_module(model))
-    if policy is not None and policy.uses_names:
-        policy.check_in_backward = True  # nothing on the model: remove_checkpointing leaves it as it was
-    return names
+    if installed.names_policy is not None:
+        installed.names_policy.check_in_backward = True  # nothing on the model: remove_checkpointing leaves it as it was
+    return installed.names
 
 
 def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
@@ -55,4 +82,4 @@ def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
     return apply_config(model, make_config(**ckpt_keys))
 
 
-__all__ = ["apply_checkpointing", "apply_config"]
+__all__ = ["Installation", "apply_checkpointing", "apply_config", "install_plan"]

@@ -64,18 +64,39 @@ from torch import nn
 
 from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
+from ckpt_plugin.apply.install import Installation, install_plan
 from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.keys import args_section
-from ckpt_plugin.config.schema import MODES, AutoConfig, CkptConfig, FullConfig, NoneConfig, as_keys, make_config
-from ckpt_plugin.engine.wrap import check_plan, install, policy_of, remove_checkpointing
+from ckpt_plugin.config.schema import (
+    MODES,
+    AutoConfig,
+    CkptConfig,
+    FullConfig,
+    NoneConfig,
+    as_keys,
+    make_config,
+)
+from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.sample import sample_call
-from ckpt_plugin.lightning.strategies import (error_as_data, error_from_data, planning_refused, prepare,
-                                              rank_zero_plans_alone, sharded_parameters)
+from ckpt_plugin.lightning.strategies import (
+    error_as_data,
+    error_from_data,
+    planning_refused,
+    prepare,
+    rank_zero_plans_alone,
+    sharded_parameters,
+)
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import WrapReport, wrap_report
-from ckpt_plugin.planning.plan_file import FILE_NAME, plain, plan_from_dict, plan_to_dict, save_plan
+from ckpt_plugin.planning.plan_file import (
+    FILE_NAME,
+    plain,
+    plan_from_dict,
+    plan_to_dict,
+    save_plan,
+)
 
 
 class ActivationCheckpointing(pl.Callback):
@@ -131,7 +152,7 @@ class ActivationCheckpointing(pl.Callback):
         self.plan_path: Path | None = None  # where rank 0 wrote the plan this fit planned (ckpt=auto)
         self._plan: dict[str, Any] | None = None  # ckpt=auto: the plan installed, as data (state_dict)
         self._resumed: dict[str, Any] | None = None  # the checkpoint's plan, when its keys are this run's
-        self._policy: Any = None  # the selective policy until its names are checked
+        self._installed: Installation | None = None  # what on_fit_start installed: its names checked after a step
         self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
         self._counting: Any = None  # its hooks, between batch start and backward
 
@@ -211,10 +232,10 @@ class ActivationCheckpointing(pl.Callback):
         if plan.summary:
             rank_zero_info(plan.summary)
         self.planned = plan.planned
-        self.wrapped = install(pl_module, plan)
+        self._installed = install_plan(pl_module, plan)
+        self.wrapped = self._installed.names
         if planning:
             self._keep(trainer, pl_module, plan)
-        self._policy = policy_of(pl_module)
         if forward is None:
             rank_zero_info(
                 f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
@@ -346,9 +367,8 @@ class ActivationCheckpointing(pl.Callback):
 
     def _check_names(self) -> None:
         """ckpt.save_names/exclude_names that no checkpoint_name used: an error once a forward has run."""
-        if self._policy is not None and self._policy.uses_names:
-            policy, self._policy = self._policy, None  # checked once per fit
-            policy.check_names()
+        if self._installed is not None:
+            self._installed.check_names()  # once per fit
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
