@@ -9,6 +9,7 @@ The stream/pinned-memory path is tested on CUDA only.
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 
 import pytest
@@ -18,8 +19,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin.measure.memory import saved_bytes
-from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, Offloading, _reset_warn_once, offloading, should_move
-from ckpt_plugin.apply.install import apply_checkpointing
+from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, NothingToMoveNotice, Offloading, offloading, should_move
+from ckpt_plugin import apply_checkpointing
 
 _VISIBLE_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")  # before conftest's `_cpu_only` hides the GPUs
 
@@ -34,13 +35,6 @@ class _CopyOnCPU(Offloading):
     """Copies CPU tensors as if CPU were the device: the real copy path, runnable without a GPU."""
 
     _in_host_memory = ()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warn_once():
-    _reset_warn_once()
-    yield
-    _reset_warn_once()
 
 
 @pytest.fixture
@@ -122,13 +116,49 @@ def test_cpu_grads_bitwise_equal_with_checkpointing_inside():
         _assert_bitwise(plain, _grads(model, batch, offloading()))
 
 
-def test_cpu_warns_once_across_two_uses(recwarn):
+@pytest.fixture
+def said():
+    """Every NOTHING_TO_MOVE warning, each one (``recwarn`` shows one per source line, as Python's default does)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield lambda: [str(w.message) for w in caught if str(w.message) == NOTHING_TO_MOVE]
+
+
+def test_cpu_warns_once_across_two_uses(said):
+    """One context entered twice, or two contexts sharing one notice, say it once; a fresh context says it again."""
     x = torch.randn(64, 64, requires_grad=True)
-    for _ in range(2):
-        with offloading():
+    off, notice = offloading(), NothingToMoveNotice()
+    for context in (off, off, offloading(notice=notice), offloading(notice=notice)):
+        with context:
             y = (x * 2).sin()
         y.sum().backward()
-    assert [str(w.message) for w in recwarn if NOTHING_TO_MOVE in str(w.message)] == [NOTHING_TO_MOVE]
+    assert said() == [NOTHING_TO_MOVE] * 2
+    with offloading():
+        y = (x * 2).sin()
+    y.sum().backward()
+    assert said() == [NOTHING_TO_MOVE] * 3
+
+
+def test_cpu_an_installation_warns_once_across_layers_and_steps(said):
+    """The notice belongs to the installation (its Treatment): once for all its wrapped layers and steps, and
+    again for another model's installation; nothing is left in the module between the two."""
+    for _ in range(2):
+        model = small_gpt(torch.float64)
+        batch = gpt_batch(model)
+        assert len(apply_checkpointing(model, layers="TransformerBlock", offload=True)) > 1
+        for _ in range(2):
+            _grads(model, batch)
+    assert said() == [NOTHING_TO_MOVE] * 2
+
+
+def test_cpu_a_checkpoint_transform_warns_once_across_calls(said):
+    from ckpt_plugin import checkpoint as transform
+
+    x = torch.randn(64, 64, requires_grad=True)
+    f = transform(lambda t: (t * 2).sin(), offload=True)
+    for _ in range(2):
+        f(x * 2).sum().backward()  # the region's input, an activation, is what it saves
+    assert said() == [NOTHING_TO_MOVE]
 
 
 def test_cpu_nothing_to_move_returns_the_same_tensor():

@@ -73,13 +73,15 @@ def checkpoint(
     if selective is not None:
         options["context_fn"] = selective.context_fn
 
+    offloaded = _offloading() if offload else contextlib.nullcontext
+
     @functools.wraps(fn)
     def rematerialised(*args: Any, **kwargs: Any) -> Any:
         # kwargs travel in a partial: an argument of fn can never collide with
         # checkpoint's own keywords (context_fn, use_reentrant, ...).
         call = functools.partial(fn, **kwargs) if kwargs else fn
         recording = torch.is_grad_enabled()  # without grad, checkpoint runs fn plainly
-        with _offloading() if offload else contextlib.nullcontext():
+        with offloaded():
             out = torch_checkpoint(call, *args, **options)
         if selective is not None and selective.uses_names and recording:
             selective.check_names()
@@ -88,10 +90,12 @@ def checkpoint(
     return rematerialised
 
 
-def _offloading() -> contextlib.AbstractContextManager:
-    from ckpt_plugin.engine.offload import offloading  # imported on use: offloading is optional
+def _offloading() -> Callable[[], contextlib.AbstractContextManager]:
+    """A fresh offloading context per call of one transform, all saying "nothing to move" at most once."""
+    from ckpt_plugin.engine.offload import NothingToMoveNotice, offloading  # imported on use: offloading is optional
 
-    return offloading()
+    notice = NothingToMoveNotice()
+    return lambda: offloading(notice=notice)
 
 
 __all__ = ["checkpoint"]

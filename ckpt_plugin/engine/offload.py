@@ -54,23 +54,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ckpt_plugin._compat import StorageWeakRef, base_of, checkpoint_placeholder, outer_saved_tensors_hooks, version
 
-__all__ = ["OffloadStats", "Offloading", "offloading", "should_move"]
+__all__ = ["NothingToMoveNotice", "OffloadStats", "Offloading", "offloading", "should_move"]
 
 NOTHING_TO_MOVE = "ckpt.offload: the saved activations are already in CPU memory; there is nothing to move"
-
-# The one piece of module state. Whether the activations live in CPU memory is
-# a fact about the process (its device), not about one context: the context is
-# entered on every training step, and a warning per step would flood the log.
-# Python's own once-per-location registry is reset by Lightning and pytest
-# filters, so it cannot be relied on. Tests reset it with `_reset_warn_once`.
-_warned_nothing_to_move = False
-
-
-def _reset_warn_once() -> None:
-    """For tests: let the next use of :func:`offloading` warn again that there is nothing to move."""
-    global _warned_nothing_to_move
-    _warned_nothing_to_move = False
-
 
 def _rank_zero() -> bool:
     """Whether this process is the first of its job (as Lightning's rank_zero_warn decides, without Lightning):
@@ -91,6 +77,28 @@ def should_move(t: torch.Tensor, min_bytes: int) -> bool:
     if t.is_conj() or t.is_neg() or t.device.type == "meta":  # the bytes alone would lose the lazy bit
         return False
     return t.untyped_storage().nbytes() >= min_bytes
+
+
+class NothingToMoveNotice:
+    """Says :data:`NOTHING_TO_MOVE` at most once, however many offloading contexts share it.
+
+    The engine enters a fresh context on every call of a wrapped layer, every step: a warning per
+    context would flood the log, and Python's own once-per-location registry is reset by Lightning's
+    and pytest's filters, so it cannot be relied on. So the owner of the contexts owns the notice: an
+    installation's ``Treatment`` (one notice for all its layers and steps), one ``checkpoint(fn,
+    offload=True)`` transform, or one context of :func:`offloading`, reused or not.
+    """
+
+    def __init__(self) -> None:
+        self.given = False
+
+    def give(self, stacklevel: int = 1) -> None:
+        """Warn, the first time only; ``stacklevel`` as for ``warnings.warn``, counted from the caller."""
+        if self.given:
+            return
+        self.given = True
+        if _rank_zero():
+            warnings.warn(NOTHING_TO_MOVE, UserWarning, stacklevel=stacklevel + 1)
 
 
 @dataclass
@@ -147,10 +155,11 @@ class Offloading(saved_tensors_hooks):
     # Tests empty it in a subclass to run the copy path on a CPU-only machine.
     _in_host_memory: tuple[str, ...] = ("cpu",)
 
-    def __init__(self, *, min_bytes: int = 1024) -> None:
+    def __init__(self, *, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None) -> None:
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"ckpt.offload: min_bytes must be a whole number of bytes >= 0, got {min_bytes!r}")
         self.min_bytes = min_bytes
+        self.notice = notice if notice is not None else NothingToMoveNotice()  # shared by the caller's contexts
         self.stats = OffloadStats()  # of the last use; a fresh one on every `with`
         self._copies: dict[tuple[StorageWeakRef, int], _HostCopy] = {}  # (storage, version) -> copy
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -166,14 +175,11 @@ class Offloading(saved_tensors_hooks):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _warned_nothing_to_move
         super().__exit__(*exc)
         self._copies.clear()  # the packed entries hold what they need
         nothing_moved = self.stats.already_on_cpu and not self.stats.moved_bytes
-        if nothing_moved and exc[0] is None and not _warned_nothing_to_move:
-            _warned_nothing_to_move = True
-            if _rank_zero():
-                warnings.warn(NOTHING_TO_MOVE, UserWarning, stacklevel=2)  # points at the user's `with`
+        if nothing_moved and exc[0] is None:
+            self.notice.give(stacklevel=2)  # points at the user's `with`
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._side_streams:
@@ -218,11 +224,13 @@ class _Outer:
     unpack: Any
 
 
-def offloading(*, min_bytes: int = 1024) -> Offloading:
+def offloading(*, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None) -> Offloading:
     """Context under which the tensors autograd saves for backward are kept in CPU memory.
 
     ``min_bytes``: storages smaller than this stay on the device (torchtune's
     default too). ``with offloading() as off:`` gives ``off.stats``
-    (:class:`OffloadStats`) of that use.
+    (:class:`OffloadStats`) of that use. ``notice``: the :class:`NothingToMoveNotice` shared
+    by every context of one owner (that the activations are in CPU memory already is said once
+    per notice); None: the context's own, said once however often the context is entered.
     """
-    return Offloading(min_bytes=min_bytes)
+    return Offloading(min_bytes=min_bytes, notice=notice)

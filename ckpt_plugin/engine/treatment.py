@@ -18,11 +18,11 @@ import contextlib
 import copy
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_plugin.engine.norms import keep_running_stats
-from ckpt_plugin.engine.offload import offloading
+from ckpt_plugin.engine.offload import NothingToMoveNotice, offloading
 from ckpt_plugin._compat import tracing_for_compile
 from ckpt_plugin.engine.recompute_check import CallRecord, recomputation_checked
 
@@ -41,6 +41,8 @@ class Treatment:
     # Check every call's recomputation by name (ckpt.check_recompute), not only inside
     # recompute_check.checking_recomputation(): a Python hook per saved tensor.
     check_recompute: bool = False
+    # Said once for every call this treatment offloads, all layers and steps (offload.NothingToMoveNotice).
+    notice: NothingToMoveNotice = field(default_factory=NothingToMoveNotice, compare=False, repr=False)
 
     def checked(self) -> bool:
         """Whether a call starting now checks its recomputation, naming the module (read per call)."""
@@ -49,7 +51,7 @@ class Treatment:
     def offloading(self) -> contextlib.AbstractContextManager:
         if not self.offload:
             return contextlib.nullcontext()
-        return offloading()
+        return offloading(notice=self.notice)
 
     def context_fn(self, stats: list, label: str | None = None, name: str | None = None,
                    ) -> Callable[[], tuple] | None:
