@@ -31,7 +31,7 @@ RECIPE = ROOT / "recipes" / "train.py"
 # Where each config group lives: the plugin ships only ckpt and callbacks/activation_checkpointing;
 # the example model and data groups ship with ckpt_examples; the rest is the recipe's.
 GROUP_DIRS = {
-    "ckpt": ROOT / "ckpt_plugin" / "configs" / "ckpt",
+    "ckpt": ROOT / "ckpt_plugin" / "config" / "ckpt",
     "model": ROOT / "ckpt_examples" / "configs" / "model",
     "data": ROOT / "ckpt_examples" / "configs" / "data",
     "trainer": CONFIGS / "trainer",

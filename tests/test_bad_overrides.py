@@ -160,7 +160,7 @@ CASES = [
     # keys, mode and target
     case("+ckpt.layer=TransformerBlock", "ckpt.layer", "ckpt.layer",
          "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; valid keys: layers, every_n, "
-         "preserve_rng_state, check_recompute, segments, budget, offload, deepspeed, compile"),
+         "preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile"),
     case("ckpt.budget=0.5", "ckpt.budget", "0.5",
          "ckpt.budget=0.5 is only read with ckpt.segments=optimal, not ckpt.segments=null; set ckpt.segments=optimal "
          "(the least recomputation that fits the budget), or drop ckpt.budget (ckpt=auto takes a budget too: it "
@@ -234,7 +234,7 @@ CASES = [
     case("ckpt=auto  ckpt.budget=0.5  ckpt.preserve_rng_state=2", "ckpt.preserve_rng_state", "2",
          "ckpt.preserve_rng_state=2 (int) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  +ckpt.segments=2", "ckpt.segments", "ckpt.segments",
-         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, budget, preserve_rng_state, compile, timing, plan"),
+         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, preserve_rng_state, budget, compile, timing, plan"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.timing=compiledd", "ckpt.timing", "'compiledd'",
          "ckpt.timing='compiledd' is neither 'auto', 'eager', 'compiled' nor a torch.compile backend; "
          "closest first: 'compiled', ..."),

@@ -258,7 +258,7 @@ def test_everything_comes_from_the_new_venv_and_every_preset_composes(installed)
         assert Path(file).is_relative_to(purelib), f"{name} imported from {file}, not the new venv's {purelib}"
     assert Path(probe["dist"]).parent == purelib, probe["dist"]
     assert not [f for f in probe["meta_path"] if "editable" in f], probe["meta_path"]  # the checkout's finder
-    shipped = sorted(p.stem for p in (installed["source"] / "ckpt_plugin" / "configs" / "ckpt").glob("*.yaml"))
+    shipped = sorted(p.stem for p in (installed["source"] / "ckpt_plugin" / "config" / "ckpt").glob("*.yaml"))
     assert probe["presets"] == shipped
     targets = {"gpt": ["ckpt_examples.gpt.GPT", "ckpt_examples.data.TextData"],
                "resnet": ["ckpt_examples.resnet.ResNet", "ckpt_examples.data.ImageData"]}

@@ -19,7 +19,7 @@ HELP: dict[str, str] = {
     "layers": (
         "The modules to checkpoint, required unless mode is none: auto (the model's repeated block), class names "
         "(Block), module names (blocks.3), dotted class paths (pkg.models.Block), module-name globs (blocks.*) or "
-        "regexes (re:blocks\\.[0-9]+); one or a list."
+        "regexes (re:blocks\\.[0-9]+); one or a list. A plain word that names a module wins over a class name."
     ),
     "every_n": "Wrap every n-th matched layer (unset: 1, every one).",
     "preserve_rng_state": (

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 from ckpt_plugin.config.budget import parse_budget
 from ckpt_plugin.config.deepspeed import settings_of
+from ckpt_plugin.config.keys import HELP
+from ckpt_plugin.config.values import compile_problems, timing_problems
 from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
 
 MISSING = "???"  # OmegaConf's MISSING value, without importing OmegaConf (the schema loads no framework)
@@ -39,15 +41,13 @@ def _quote_all(items: Iterable[str]) -> str:
 
 @dataclass(kw_only=True)
 class LayerSelection:
-    """Which modules to checkpoint; shared by every mode that wraps modules."""
+    """Which modules to checkpoint; shared by every mode that wraps modules.
 
-    # "auto" (the model's blocks: what its library checkpoints itself, HF's GradientCheckpointingLayer,
-    # else the repeated blocks of its structure: engine/blocks.py), or class names ("TransformerBlock"), module names ("head",
-    # "blocks.3"), dotted class paths ("pkg.mod.Block"), module-name globs ("blocks.*") or
-    # regexes ("re:blocks\.[0-9]+"); a string or a list. A plain word that names a module wins.
-    # Required; None (YAML null) until the user names them, so our message, not Hydra's, says so.
+    What each key means is written once, in ``keys.py``. ``layers`` is None (YAML null)
+    until the user names them, so that our message, not Hydra's, says it is required.
+    """
+
     layers: Any = None
-    # Wrap every n-th matched layer (the n-th, 2n-th, ...): 1 wraps all of them.
     every_n: int = 1
 
     def _problems(self) -> list[Problem]:
@@ -156,92 +156,29 @@ def _budget_problems(config: FullConfig) -> list[Problem]:
     return []
 
 
-def _compile_problems(config: Any) -> list[Problem]:
-    """``ckpt.compile``: true (inductor), false or a backend name, and not with what has no one call to compile."""
-    value = config.compile
-    if isinstance(value, str):
-        from ckpt_plugin.config.values import backends
+@dataclass(kw_only=True)
+class _Recomputing(LayerSelection):
+    """The keys of the modes that recompute, ``full`` and ``selective``."""
 
-        names = backends()
-        if value not in names:
-            near = ", ".join(repr(b) for b in closest_first(value, names)[:5])
-            return [Problem(
-                "ckpt.compile", f"ckpt.compile={value!r} is not a torch.compile backend",
-                f"give true (inductor), false or a backend name; closest first: {near}, ... "
-                "(torch.compiler.list_backends(exclude_tags=()) lists them all)",
-            )]
-    elif not isinstance(value, bool):
-        return [Problem(
-            "ckpt.compile",
-            f"ckpt.compile={value!r} ({type(value).__name__}) must be true (inductor), false or the name of a "
-            "torch.compile backend",
-        )]
-    if value is False:
-        return []
-    on = f"ckpt.compile={str(value).lower() if value is True else value}"
-    problems = []
-    segments = getattr(config, "segments", None)
-    if segments is not None:
-        problems.append(Problem(
-            "ckpt.compile",
-            f"{on} cannot be combined with ckpt.segments={segments}: a segment is one checkpoint over several "
-            "layers' calls, opened in the first layer's forward pre-hook and closed in the last one's forward "
-            "hook, so there is no one call to compile",
-            "drop ckpt.segments (each layer is then its own compiled checkpoint), or drop ckpt.compile",
-        ))
-    if getattr(config, "deepspeed", None) is not None:
-        problems.append(Problem(
-            "ckpt.compile",
-            f"{on} cannot be combined with ckpt.deepspeed (DeepSpeed's own checkpoint): torch.compile captures "
-            "torch's checkpoint as one region, not DeepSpeed's reentrant autograd Function",
-            "drop ckpt.compile, or drop ckpt.deepspeed (ckpt=full: torch's checkpoint, which compiles)",
-        ))
-    if getattr(config, "check_recompute", False) is True:
-        problems.append(Problem(
-            "ckpt.compile",
-            f"{on} cannot be combined with ckpt.check_recompute=true: compiled, a layer's recomputation is part "
-            "of its compiled backward graph, not a second run of its forward, so there is nothing to check",
-            "drop one of the two",
-        ))
-    if getattr(config, "policy", None) == "names":
-        problems.append(Problem(
-            "ckpt.compile",
-            f"{on} cannot be combined with ckpt.policy=names: checkpoint_name tags are emitted only in the "
-            "plugin's eager selective modes, which torch.compile replaces by torch's, so no tag would be saved",
-            "use ckpt.policy=matmuls or a list of aten ops (these compile), or drop ckpt.compile",
-        ))
-    return problems
+    mode: str
+    preserve_rng_state: bool = True
+    check_recompute: bool = False
+    segments: Any = None
+    offload: bool = False
+    compile: Any = False
 
 
 @dataclass(kw_only=True)
-class FullConfig(LayerSelection):
+class FullConfig(_Recomputing):
     """``ckpt=full``: non-reentrant ``torch.utils.checkpoint`` around each selected module."""
 
     mode: str = "full"
-    # Replay the forward's RNG state on recompute so dropout masks match (torch's default).
-    preserve_rng_state: bool = True
-    # Name the module whose recomputation saves tensors of another shape, dtype or device than its
-    # forward (RecomputationMismatch). Off: torch checks the same, unnamed, without a hook per saved tensor.
-    check_recompute: bool = False
-    # null: one checkpoint per layer; S, 'sqrt' or 'recursive': checkpointed segments of the chain;
-    # 'optimal': the nesting of regions with the least recomputation that fits ckpt.budget (Rotor).
-    segments: Any = None
-    # With segments=optimal only: a fraction of the activation peak without checkpointing (0.3), a
-    # size (2GiB) or min (the least peak any nesting reaches), read as ckpt=auto reads its budget.
     budget: Any = None
-    # Keep what checkpointing still saves (the layers' inputs) in CPU memory.
-    offload: bool = False
-    # null: torch's checkpoint. DeepSpeed's own checkpoint and its options (ckpt=deepspeed): a mapping
-    # of partition_activations, cpu_checkpointing, contiguous_memory_optimization, number_checkpoints,
-    # synchronize_checkpoint_boundary, profile.
     deepspeed: Any = None
-    # Run each selected layer compiled, its checkpoint included (regional compilation, torchtitan's
-    # per-block compile): true (inductor), false, or a torch.compile backend's name (aot_eager).
-    compile: Any = False
 
     def __post_init__(self) -> None:
         raise_problems(_checkpointing_problems(self) + _budget_problems(self) + self._deepspeed_problems()
-                       + _compile_problems(self))
+                       + compile_problems(self))
 
     def _deepspeed_problems(self) -> list[Problem]:
         try:
@@ -268,21 +205,13 @@ class FullConfig(LayerSelection):
 
 
 @dataclass(kw_only=True)
-class SelectiveConfig(LayerSelection):
+class SelectiveConfig(_Recomputing):
     """``ckpt=selective``: save the outputs of chosen ops, recompute the rest (torch's SAC)."""
 
     mode: str = "selective"
-    # 'matmuls', 'matmuls_no_batch', 'names', or a list of aten op names ([aten.mm, aten.addmm]).
     policy: Any = "matmuls"
-    # With policy=names: save exactly the checkpoint_name tensors named here ...
     save_names: Any = None
-    # ... or every named tensor except these.
     exclude_names: Any = None
-    preserve_rng_state: bool = True
-    check_recompute: bool = False
-    segments: Any = None
-    offload: bool = False
-    compile: Any = False
 
     def __post_init__(self) -> None:
         from ckpt_plugin.engine.policies import make_policy
@@ -301,7 +230,7 @@ class SelectiveConfig(LayerSelection):
             make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
         except ConfigError as err:
             problems += err.problems
-        raise_problems(problems + _compile_problems(self))
+        raise_problems(problems + compile_problems(self))
 
 
 @dataclass(kw_only=True)
@@ -309,11 +238,10 @@ class OffloadConfig(LayerSelection):
     """``ckpt=offload``: no recompute; what the selected layers save lives in CPU memory."""
 
     mode: str = "offload"
-    # Run each selected layer compiled (no checkpoint to compile here: the layer alone).
     compile: Any = False
 
     def __post_init__(self) -> None:
-        raise_problems(self._problems() + _compile_problems(self))
+        raise_problems(self._problems() + compile_problems(self))
 
 
 @dataclass(kw_only=True)
@@ -321,17 +249,10 @@ class AutoConfig(LayerSelection):
     """``ckpt=auto``: per layer keep, selective (two policies) or full, the least recompute that fits a budget."""
 
     mode: str = "auto"
-    # A fraction of the activation peak without checkpointing (0.4), a size (2GiB), or min (the least
-    # peak the planner reaches). Required.
     budget: Any = None
     preserve_rng_state: bool = True
-    # Run each layer the plan checkpoints compiled, its checkpoint included.
     compile: Any = False
-    # How each option is timed for the plan: auto (as the step runs: compiled where ckpt.compile or the
-    # user's torch.compile will compile it), eager, compiled (inductor) or a torch.compile backend's name.
     timing: Any = "auto"
-    # A plan file (the ckpt_plan.json a ckpt=auto run writes in its log dir): install exactly that plan,
-    # without planning (no profile, no timing); layers and budget are then not needed. null: plan.
     plan: Any = None
 
     def __post_init__(self) -> None:
@@ -343,7 +264,7 @@ class AutoConfig(LayerSelection):
                 parse_budget(self.budget)
             except ConfigError as err:
                 problems += err.problems
-        raise_problems(problems + _compile_problems(self) + _timing_problems(self.timing))
+        raise_problems(problems + compile_problems(self) + timing_problems(self.timing))
 
 
 def _plan_problems(value: Any) -> list[Problem]:
@@ -362,52 +283,20 @@ def _plan_problems(value: Any) -> list[Problem]:
     return []
 
 
-TIMINGS = ("auto", "eager", "compiled")
-
-
-def _timing_problems(value: Any) -> list[Problem]:
-    """``ckpt.timing``: auto, eager, compiled, or a torch.compile backend's name."""
-    if not isinstance(value, str):
-        return [Problem("ckpt.timing", f"ckpt.timing={value!r} ({type(value).__name__}) must be one of "
-                        f"{_quote_all(TIMINGS)} or the name of a torch.compile backend")]
-    if value in TIMINGS:
-        return []
-    from ckpt_plugin.config.values import backends
-
-    names = backends()
-    if value in names:
-        return []
-    near = ", ".join(repr(b) for b in closest_first(value, [*TIMINGS, *names])[:5])
-    return [Problem(
-        "ckpt.timing", f"ckpt.timing={value!r} is neither {_quote_all(TIMINGS)} nor a torch.compile backend",
-        f"closest first: {near}, ... (torch.compiler.list_backends(exclude_tags=()) lists the backends)",
-    )]
-
-
-@dataclass(kw_only=True)
-class NoneConfig:
-    """``ckpt=none``: train without checkpointing.
+# ckpt=none's keys: every other mode's, with what it shows for them (it reads none of them).
+_NONE_KEYS = {"layers": None, "every_n": 1, "preserve_rng_state": True, "check_recompute": False, "segments": None,
+              "offload": False, "policy": None, "save_names": None, "exclude_names": None, "budget": None,
+              "deepspeed": None, "compile": False, "timing": None, "plan": None}
+NoneConfig = make_dataclass(
+    "NoneConfig", [("mode", str, field(default="none")), *((k, Any, field(default=v)) for k, v in _NONE_KEYS.items())],
+    kw_only=True)
+NoneConfig.__module__ = __name__  # make_dataclass names its caller's module only from Python 3.12
+NoneConfig.__doc__ = """``ckpt=none``: train without checkpointing.
 
     It accepts (and ignores) the keys of every other mode, so that ``ckpt=none``
     can be added to any command line that sets ``ckpt.*``, for an A/B run.
     Nothing is wrapped, so no value can be wrong.
     """
-
-    mode: str = "none"
-    layers: Any = None
-    every_n: Any = 1
-    preserve_rng_state: Any = True
-    check_recompute: Any = False
-    segments: Any = None
-    offload: Any = False
-    policy: Any = None
-    save_names: Any = None
-    exclude_names: Any = None
-    budget: Any = None
-    deepspeed: Any = None
-    compile: Any = False
-    timing: Any = None
-    plan: Any = None
 
 
 MODES: dict[str, type] = {
@@ -422,8 +311,10 @@ CkptConfig = FullConfig | SelectiveConfig | OffloadConfig | AutoConfig | NoneCon
 
 
 def user_keys(cls: type) -> list[str]:
-    """The keys a user may set for one mode (``mode`` aside: it chose the class)."""
-    return [f.name for f in fields(cls) if f.name != "mode"]
+    """The keys a user may set for one mode (``mode`` aside: it chose the class), in the order ``keys.py`` gives
+    every key, so that each mode lists its keys alike."""
+    own = {f.name for f in fields(cls)}
+    return [key for key in HELP if key in own and key != "mode"]
 
 
 def make_config(**keys: Any) -> CkptConfig:
