@@ -63,6 +63,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.planning.planner import INSIDE, OPTIONS, Cost, Part, kind
 
 
@@ -135,12 +136,7 @@ def _frontier(chain: Chain, parts: list[dict[str, Cost]]) -> list[_Entry]:
 
 def _pareto(entries: list[_Entry]) -> list[_Entry]:
     """The entries no other is at most in all of kept, peak, peak in backward and cost (the first of equals)."""
-    entries.sort(key=lambda e: e[:4])
-    kept: list[_Entry] = []
-    for e in entries:
-        if not any(k[1] <= e[1] and k[2] <= e[2] and k[3] <= e[3] for k in kept):  # k[0] <= e[0]: sorted
-            kept.append(e)
-    return kept
+    return pareto(sorted(entries, key=lambda e: e[:4]), lambda e: e[:4])
 
 
 def _undominated(derived: dict[str, Cost], own: Mapping[str, Cost]) -> dict[str, Cost]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckpt_plugin.measure.memory import REST
+from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.units import format_bytes
 
 # In order of intrusiveness (ties in cost go left): ``selective`` saves every matmul's output
@@ -312,10 +313,7 @@ def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int):
             for t, f, n in [_cost(o, c)]
             if kept + c.running_bytes <= budget
         )
-        frontier = []
-        for entry in grown:
-            if not frontier or entry[1] < frontier[-1][1]:
-                frontier.append(entry)
+        frontier = pareto(grown, lambda entry: entry[:2])
     fits = [(cost, chosen) for kept, cost, chosen in frontier if kept + rest_running <= budget]
     return min(fits) if fits else None
 
@@ -326,10 +324,7 @@ def smallest_peak(profiles: list[LayerProfile], rest_running: int = 0) -> int:
     for layer in profiles:
         grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.running_bytes))
                         for kept, peak in frontier for c in layer.options.values()})
-        frontier = []
-        for entry in grown:
-            if not frontier or entry[1] < frontier[-1][1]:
-                frontier.append(entry)
+        frontier = pareto(grown, lambda entry: entry)
     return min(max(peak, kept + rest_running) for kept, peak in frontier)
 
 

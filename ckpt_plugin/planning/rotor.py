@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from ckpt_plugin.engine.sequential import Node, Region, regions
+from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.units import format_bytes
 
 
@@ -195,12 +196,8 @@ class _Frontier:
 
 
 def _pareto(points: list[tuple[int, Cost]]) -> _Frontier:
-    needs, costs = [], []
-    for need, cost in sorted(points):
-        if not costs or cost < costs[-1]:
-            needs.append(need)
-            costs.append(cost)
-    return _Frontier(tuple(needs), tuple(costs))
+    kept = pareto(sorted(points), lambda point: point)
+    return _Frontier(tuple(need for need, _ in kept), tuple(cost for _, cost in kept))
 
 
 class _Solver:
