@@ -1,6 +1,7 @@
-"""The README's examples for plain PyTorch, Fabric and Hugging Face: each runs as a user runs it, and
-the README shows the very file that ran (``examples/``). LightningCLI's has its own test
-(``tests/test_lightning_cli.py``); its files are checked against the README here too."""
+"""The docs' examples for plain PyTorch, Fabric and Hugging Face: each runs as a user runs it, and
+the docs show the very file that ran (``examples/``, a block of docs/torch.md, fabric.md,
+huggingface.md, lightning-cli.md). LightningCLI's has its own test (``tests/test_lightning_cli.py``);
+its files are checked against the docs here too."""
 
 from __future__ import annotations
 
@@ -12,20 +13,21 @@ from pathlib import Path
 
 import pytest
 import warm_python
+from test_docs import PAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 RUN = ("plain_pytorch.py", "fabric.py", "huggingface.py")
 
 
-def _readme_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _docs_blocks() -> list[str]:
+    text = "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
     return [m.group(1) for m in re.finditer(r"^```(?:python|yaml)\n(.*?)^```", text, re.S | re.M)]
 
 
 @pytest.mark.parametrize("name", [*RUN, "lightning_cli.py", "lightning_cli.yaml"])
-def test_readme_shows_the_example_file(name: str) -> None:
-    assert (EXAMPLES / name).read_text(encoding="utf-8") in _readme_blocks(), f"README has no block equal to examples/{name}"
+def test_docs_show_the_example_file(name: str) -> None:
+    assert (EXAMPLES / name).read_text(encoding="utf-8") in _docs_blocks(), f"no docs block equal to examples/{name}"
 
 
 @pytest.fixture(scope="module")

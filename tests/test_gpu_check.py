@@ -1,6 +1,6 @@
 """``python -m ckpt_tools.gpu_check``: its ``--dry-run`` on CPU writes the tables the GPU run would.
 
-The GPU run itself needs a GPU machine (README, On a GPU); here the same pipeline runs on CPU with a
+The GPU run itself needs a GPU machine (docs/gpu.md); here the same pipeline runs on CPU with a
 tiny GPT: the files, every step's status, one table row per mode and the exact bytes and FLOPs are asserted.
 """
 
@@ -152,8 +152,11 @@ def test_carried_wheels_cover_what_the_gpu_machine_lacks() -> None:
 
 
 def test_device_command_fits_in_one_call() -> None:
-    """The README's command for the GPU machine: under the 2,000 characters a device call takes."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/gpu.md's command for the GPU machine: under the 2,000 characters a device call takes."""
+    from test_docs import blocks, commands
+
+    shown = [line for b in blocks() if b.page == "docs/gpu.md" and b.mark.startswith("not run: needs a GPU")
+             for line in commands(b.body)]
     command = "python3 -m ckpt_tools.gpu_check --wheels .whl --out $OUT"
-    assert command in readme and command in sys.modules["ckpt_tools.gpu_check"].__doc__
+    assert shown == [command] and command in sys.modules["ckpt_tools.gpu_check"].__doc__
     assert len(command) < 2000

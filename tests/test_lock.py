@@ -18,6 +18,7 @@ from packaging.utils import canonicalize_name
 from ckpt_tools.fresh_env import floors
 from ckpt_tools.latest_deps import differences, locked
 from ckpt_tools.lock import LOCK, lock_text
+from test_docs import quickstart
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
@@ -44,9 +45,7 @@ def test_every_lock_line_is_an_exact_pin() -> None:
 
 
 def test_both_quickstart_commands_install_with_the_lock() -> None:
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"^## Quickstart\n.*?```bash\n(.*?)```", readme, re.S | re.M).group(1)
-    commands = [line for line in block.splitlines() if line.strip()]
+    commands = [line for line in quickstart().splitlines() if line.strip()]
     assert len(commands) == 2
     assert all("pip install -q -c requirements/test.lock -e " in command for command in commands), commands
 

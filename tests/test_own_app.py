@@ -1,4 +1,4 @@
-"""The own-app path as the README writes it (issue #20, point 5), with real Hydra, Lightning and data.
+"""The own-app path as docs/own-app.md writes it (issue #20, point 5), with real Hydra, Lightning and data.
 
 A. A module without ``example_input_array``: ``ckpt=auto`` takes its sample from the first
    training batch of the Trainer's data (a real ``LightningDataModule``, a real Trainer), the
@@ -8,7 +8,7 @@ A. A module without ``example_input_array``: ``ckpt=auto`` takes its sample from
    without, as before.
 B. ``check_app_config`` with the Trainer an app builds in Python: ``ckpt=deepspeed`` is checked
    against its strategy, and without a Trainer or a ``trainer`` node it says what it left unchecked.
-C. The README's own app as a process (``ckpt.layers`` defaulted in its config, ``ckpt=auto`` with
+C. The docs' own app (docs/own-app.md's blocks) as a process (``ckpt.layers`` defaulted in its config, ``ckpt=auto`` with
    no ``example_input_array``), its ``--help`` and the recipe's: the groups a user chooses from,
    no internal schema nodes.
 """
@@ -36,6 +36,7 @@ from ckpt_plugin.config.hydra import register_configs
 from ckpt_plugin.lightning.app import check_app_config, config_errors_exit
 from ckpt_plugin.errors import ConfigError
 from conftest import RECIPE
+from test_docs import blocks
 
 WIDTH = 32
 
@@ -157,14 +158,9 @@ def test_the_report_alone_never_runs_training_step(tmp_path, monkeypatch, caplog
 # B. check_app_config and the Trainer an app builds itself
 # --------------------------------------------------------------------------------------
 
-APP_CONFIG = """\
-defaults:
-  - callbacks: activation_checkpointing   # adds callbacks.activation_checkpointing and the ckpt group
-  - _self_
-
-ckpt:
-  layers: Block                           # your default: `python train.py` checkpoints every Block
-"""
+# The app's config and train.py as docs/own-app.md shows them: the test runs the page's own blocks.
+OWN_APP_PAGE = (Path(__file__).resolve().parents[1] / "docs" / "own-app.md").read_text(encoding="utf-8")
+APP_CONFIG = re.search(r"^```yaml\n(# conf/config.yaml of your app\n.*?)^```", OWN_APP_PAGE, re.S | re.M).group(1)
 
 
 def compose_app(conf: Path, *overrides: str):
@@ -210,65 +206,10 @@ def test_deepspeed_is_checked_against_the_trainer_the_app_built(conf: Path, tmp_
 
 
 # --------------------------------------------------------------------------------------
-# C. the README's own app and the recipe, as processes
+# C. the docs' own app and the recipe, as processes
 # --------------------------------------------------------------------------------------
 
-APP = '''\
-"""The README's own Hydra app: its model and data, ckpt-plugin only installed."""
-import hydra
-import lightning.pytorch as pl
-import torch
-from hydra.utils import instantiate
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from ckpt_plugin.lightning.app import check_app_config, config_errors_exit
-
-
-class Block(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x):
-        return x + self.mlp(x)
-
-
-class YourModule(pl.LightningModule):  # no example_input_array
-    def __init__(self, width=32):
-        super().__init__()
-        self.blocks = nn.Sequential(*(Block(width) for _ in range(4)))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        return self.head(self.blocks(x))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class YourData(pl.LightningDataModule):
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(torch.randn(64, 16, 32), torch.randn(64, 16, 1)), batch_size=8)
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg):
-    with config_errors_exit():        # a ckpt mistake: the message alone, exit code 2
-        check_app_config(cfg)         # every ckpt key and value, before anything is built
-        callbacks = [instantiate(c) for c in cfg.callbacks.values()]
-        trainer = pl.Trainer(callbacks=callbacks, max_steps=2, accelerator="cpu", logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(YourModule(), datamodule=YourData())
-
-
-if __name__ == "__main__":
-    main()
-'''
+APP = next(b.body for b in blocks() if b.page == "docs/own-app.md" and b.lang == "python")
 
 FIT_DONE = "`Trainer.fit` stopped: `max_steps=2` reached."
 HELP_GROUPS = re.compile(r"== Configuration groups ==\nCompose your configuration from those groups \(group=option\)\n\n"
@@ -277,7 +218,7 @@ HELP_GROUPS = re.compile(r"== Configuration groups ==\nCompose your configuratio
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
-    """The README app trained with ckpt=auto, its --help, and the recipe's --help: three processes at once."""
+    """The docs' own app trained with ckpt=auto, its --help, and the recipe's --help: three processes at once."""
     app = tmp_path_factory.mktemp("readme") / "app"
     (app / "conf").mkdir(parents=True)
     (app / "train.py").write_text(APP)
