@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with the input: the ``key`` (``"ckpt.every_n"``), what is wrong, how to fix it."""
+    """One thing wrong with the input: the ``key`` (``"ckpt.every_n"``), what is wrong, how to fix it.
+
+    ``value`` and ``least`` carry, as data, what a caller or a test may act on
+    without reading the sentence: the value refused (a budget in bytes, say)
+    and, for a budget no plan meets, the least activation peak reachable in bytes.
+    """
 
     key: str
     problem: str
     fix: str = ""
+    value: Any = field(default=None, compare=False)
+    least: int | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.problem}; {self.fix}" if self.fix else self.problem

@@ -436,7 +436,7 @@ def test_cli_unreachable_budget(cli):
     message = _short_error(cli["unreachable-budget"])
     assert re.fullmatch(
         r"ckpt\.budget: 1000 bytes \(1000 B, 0\.00 of the activation peak without checkpointing, [\d.]+ MiB\) cannot "
-        r"be met by checkpointing ckpt\.layers: the smallest peak reachable is \d+ bytes \([\d.]+ KiB, 0\.\d+\); "
+        r"be met by checkpointing ckpt\.layers: the least peak reachable is \d+ bytes \([\d.]+ KiB, 0\.\d+\); "
         r"raise ckpt\.budget to at least 0\.\d+ or \d+B, or select more layers\. Nor can any other plan: no "
         r"checkpointing of this model goes below [\d.]+ KiB \(\d+ B, 0\.\d+\): its forward alone holds that much "
         r"while [\w.]+ runs aten\.\w+, the modules it is called from holding their inputs and the op its inputs "

@@ -26,6 +26,7 @@ from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import step_memory
 from ckpt_plugin.planning.inside import Chain, with_inside
+from ckpt_plugin.planning.nofit import NoFit
 from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, kind, plan, smallest_peak
 from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, profile, wrap_plan
 from ckpt_plugin.planning.timing import measure_layer_times
@@ -88,8 +89,8 @@ def _installed(model, chosen, batch, regrouped=()) -> tuple[int, dict[str, torch
 def test_parts_reach_below_what_the_layers_reach(gpt: dict) -> None:
     flat, deep = gpt["flat"], gpt["deep"]
     assert _least(deep) < 0.8 * _least(flat)
-    with pytest.raises(ValueError, match=rf"the smallest peak reachable is {_least(flat)} bytes"):
-        flat.plan(_least(deep))
+    refused = flat.fit(_least(deep))
+    assert isinstance(refused, NoFit) and refused.least == _least(flat)
     chosen = deep.plan(_least(deep))
     assert set(chosen.choices) > set(BLOCKS)  # parts named, after their layer
     assert all(name.startswith(tuple(f"{b}." for b in BLOCKS)) for name in set(chosen.choices) - set(BLOCKS))
@@ -220,12 +221,12 @@ def test_apply_config_meets_a_budget_the_layers_alone_cannot(gpt: dict) -> None:
     finally:
         remove_checkpointing(model)
     assert act <= budget
-    with pytest.raises(ValueError, match=rf"the smallest peak reachable is {low} bytes .* or {low}B"):
-        gpt["deep"].plan(low - 1)
+    refused = gpt["deep"].fit(low - 1)
+    assert isinstance(refused, NoFit) and (refused.budget_bytes, refused.least) == (low - 1, low)
     # Through ckpt=auto (which may then try nested regions over the chain): the least peak named is at most that.
     with pytest.raises(ConfigError, match=r"cannot be met") as refused:
         apply_config(model, make_config(mode="auto", layers="TransformerBlock", budget=4096), forward=gpt["forward"])
-    named = int(re.search(r"(?:smallest|least) peak .*? is (\d+) bytes", str(refused.value))[1])
+    named = refused.value.problems[0].least
     assert named <= low < high
 
 

@@ -162,9 +162,10 @@ def test_a_budget_below_what_the_groups_reach_names_the_least_peak() -> None:
     batch = resnet_batch(model)
     before = [n for n, _ in model.named_modules()]
     config = make_config(mode="auto", layers=["Bottleneck", "re:stem"], budget=0.1)
-    with pytest.raises(ConfigError, match=r"the smallest peak reachable is \d+ bytes .*0\.[34]\d\)") as err:
+    with pytest.raises(ConfigError) as err:
         apply_config(model, config, forward=lambda: model.loss(batch))
-    assert "ckpt.budget" in str(err.value)
+    problem = err.value.problems[0]
+    assert problem.key == "ckpt.budget" and problem.least > problem.value  # the least reachable, as data
     assert [n for n, _ in model.named_modules()] == before  # a refusal leaves no group behind
 
 

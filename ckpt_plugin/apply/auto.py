@@ -1,9 +1,5 @@
-"""``ckpt=auto``: the planner's choice per layer for ``ckpt.budget``, measured as the step will run; or a saved plan.
-
-Below what one option per layer reaches, the layers' parts become candidates too
-(``planning/inside.py``); below that, nested regions over the layers, if they form
-a chain (``segments.chain_instead``).
-"""
+"""``ckpt=auto``: the plan of the first strategy that fits ``ckpt.budget`` (``strategies.py``), measured as the step
+will run, and what its summary says; or a saved plan (``ckpt.plan``), installed as it is."""
 
 from __future__ import annotations
 
@@ -15,16 +11,22 @@ from torch import nn
 
 from ckpt_plugin._compat import compiled_by_user
 from ckpt_plugin.apply.diagnose import least_lines, with_reasons
-from ckpt_plugin.apply.segments import chain_instead
-from ckpt_plugin.config.budget import parse_budget, resolve
+from ckpt_plugin.apply.strategies import (
+    Chosen,
+    Measuring,
+    NestedRegions,
+    first_fit,
+    least_of,
+    strategies,
+)
+from ckpt_plugin.config.budget import Budget, parse_budget, resolve
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.plan import WrapPlan
-from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.measure.sample import scalar
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.planning.plan_file import load_plan
-from ckpt_plugin.planning.planner import OPTIONS, Profile, smallest_peak
-from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, profile, wrap_plan
+from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.planning.profile import INSIDE_DEPTH
 from ckpt_plugin.units import format_bytes
 
 
@@ -39,56 +41,44 @@ def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
 
 
 def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
-          note: str) -> WrapPlan:
-    """``ckpt=auto``: the planner's choice per layer for ``ckpt.budget``, measured as the step will run.
-
-    Below what one option per layer reaches, the layers' parts become candidates
-    too (``inside.py``): measured only then, as they double the profile's cost;
-    below that, nested regions over the layers, if they form a chain
-    (:func:`_chain_instead`). ``ckpt.budget=min`` goes down all three at once
-    and takes the least peak of them. Parts and regions are planned for eager
-    steps only.
-    """
+              note: str) -> WrapPlan:
+    """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
+    step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
+    fits, with what stands in the way (eager steps: ``diagnose.py``)."""
     budget = parse_budget(config.budget)
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
     eager = not compiled and backend is None
-    once = ProfileCache()  # the layers are stepped and timed once, should their parts be measured below
-
-    def measured_to(depth: int) -> Profile:
-        return profile(model, names, lambda: scalar(forward()), timed=True, compiled=compiled, depth=depth, cache=once)
-
-    measured = measured_to(INSIDE_DEPTH if budget.least and eager else 0)
-    in_the_way = ""  # ckpt.budget=min, eager: how low any plan could go, and what stands in the way
+    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state)
+    tried = strategies(measuring, eager)
     if budget.least:
-        chosen = measured.least()
-        regions_plan = chain_instead(model, config, names, forward, note, measured,
-                                      below=chosen.predicted_peak) if eager else None
-        in_the_way = least_lines(model, names, lambda: scalar(forward()), measured.no_ckpt_peak) if eager else ""
-        if regions_plan is not None:
-            return replace(regions_plan, summary="\n".join(filter(None, [regions_plan.summary, in_the_way])))
+        chosen = least_of(tried)
     else:
-        try:
-            chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
-        except ConfigError:
+        chosen = first_fit(tried, budget)
+        if isinstance(chosen, ConfigError):
             if not eager:
-                raise
-            measured = measured_to(INSIDE_DEPTH)
-            try:
-                chosen = _fitting(measured, resolve(budget, measured.no_ckpt_peak))
-            except ConfigError as err:
-                try:
-                    return chain_instead(model, config, names, forward, note, measured,
-                                          below=smallest_peak(measured.layers, measured.rest_running), refused=err)
-                except ConfigError as refused:
-                    raise with_reasons(refused, model, names, lambda: scalar(forward()),
-                                       resolve(budget, measured.no_ckpt_peak), measured.no_ckpt_peak) from refused
-    plan = wrap_plan(chosen, config.preserve_rng_state, measured.regrouped)
+                raise chosen
+            reference = tried[0].reference
+            raise with_reasons(chosen, model, names, measuring.run, resolve(budget, reference), reference)
+    in_the_way = ""  # ckpt.budget=min, eager: how low any plan could go, and what stands in the way
+    if budget.least and eager:
+        in_the_way = least_lines(model, names, measuring.run, measuring.profile(INSIDE_DEPTH).no_ckpt_peak)
+    if isinstance(chosen.strategy, NestedRegions):
+        return _regions(chosen, config, budget, names, note, in_the_way)
+    return _per_layer(chosen, config, budget, backend, eager, note, in_the_way)
+
+
+def _per_layer(chosen: Chosen, config: AutoConfig, budget: Budget, backend: str | None, eager: bool, note: str,
+               in_the_way: str) -> WrapPlan:
+    """The WrapPlan of a per-layer choice, and its summary: the plan's table, what min reached, what compiles."""
+    strategy, measured = chosen.strategy, chosen.strategy.measured
+    plan = strategy.installed(chosen.plan)
     summary = plan.summary
     if budget.least:
+        peak = chosen.plan.predicted_peak
         least = (f"ckpt.budget=min: the least activation peak reachable by one option per layer"
-                 f"{' or parts of it' if eager else ''} is {format_bytes(chosen.predicted_peak)} "
-                 f"({chosen.predicted_peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)")
+                 f"{' or parts of it' if eager else ''} is {format_bytes(peak)} "
+                 f"({peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)")
         summary = "\n".join(filter(None, [least, in_the_way, summary]))
     if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
         summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
@@ -98,6 +88,19 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
         summary += (f"\nckpt.compile: the {len(plan.names)} layer(s) this plan wraps run compiled ({backend}), "
                     "the kept ones eagerly; the plan's peak was measured uncompiled (fake tensors)")
     return replace(plan, summary="\n".join(filter(None, [note, summary])), note=note)
+
+
+def _regions(chosen: Chosen, config: AutoConfig, budget: Budget, names: list[str], note: str,
+             in_the_way: str) -> WrapPlan:
+    """The WrapPlan of Rotor's schedule where no choice per layer fits (or, for min, reaches as low)."""
+    solution = chosen.plan
+    short = (f"reaches {format_bytes(solution.limit)} (ckpt.budget=min), as nested regions do" if budget.least else
+             f"fits ckpt.budget={config.budget} ({format_bytes(solution.limit)})")
+    lines = [f"ckpt=auto: no choice per layer (keep, selective, full, or parts of it) {short}; the {len(names)} "
+             "layers form a chain, so it nests checkpointed regions over them: Rotor's schedule, the least "
+             "recomputed FLOPs that fit", str(solution), in_the_way]
+    plan = chosen.strategy.installed(solution)
+    return replace(plan, summary="\n".join(filter(None, [note, *lines])), note=note)
 
 
 WRAPPING = tuple(o for o in OPTIONS if o != "keep")  # the options that wrap a layer (ckpt.compile compiles them)
@@ -125,16 +128,6 @@ def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool)
     if backend is not None and not user_compiled:  # ckpt.compile: the kept layers stay eager
         return dict.fromkeys(WRAPPING, chosen)
     return dict.fromkeys(OPTIONS, chosen)
-
-
-def _fitting(measured: Any, budget_bytes: int) -> Any:
-    """The planner's choice for ``budget_bytes``; a budget no choice meets is the user's to change."""
-    try:
-        return measured.plan(budget_bytes)
-    except ConfigError:
-        raise
-    except ValueError as err:  # planning/planner.py words "cannot be met" (and the smallest peak) as a ValueError
-        raise ConfigError([Problem("ckpt.budget", str(err))]) from err
 
 
 __all__ = ["WRAPPING", "auto_plan", "given_plan", "timed_compiled"]

@@ -1,5 +1,5 @@
-"""Regions over a chain of layers, planned: the chain check on a sample, ``ckpt.segments=optimal``'s schedule, and
-``ckpt=auto``'s nested regions where no choice per layer fits.
+"""Regions over a chain of layers, planned: ``ckpt.segments=optimal``'s schedule, and the chain check on a sample
+(which ``ckpt=auto``'s nested regions, ``strategies.NestedRegions``, go through too).
 
 Segments are checked when they are asked for, not at the first step (issue #20):
 where the layers sit (``engine.chain_check.check_chain``), then, when there is a
@@ -10,7 +10,6 @@ every call of the chain goes through (``chain_check.Links``), on every layer.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,19 +17,18 @@ from torch import nn
 
 from ckpt_plugin.apply.diagnose import with_floor
 from ckpt_plugin.apply.treatment import treatment_of
-from ckpt_plugin.config.budget import parse_budget, resolve
-from ckpt_plugin.config.schema import AutoConfig, FullConfig
+from ckpt_plugin.config.budget import cannot_meet, parse_budget, resolve
+from ckpt_plugin.config.schema import FullConfig
 from ckpt_plugin.engine.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.engine.sequential import regions
-from ckpt_plugin.engine.treatment import Treatment
-from ckpt_plugin.engine.wrap import check_plan, checkpointing_disabled
+from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.sample import scalar
-from ckpt_plugin.planning.planner import Profile
+from ckpt_plugin.planning.nofit import NoFit
 from ckpt_plugin.planning.profile import chain_costs
-from ckpt_plugin.planning.rotor import Unreachable, least_peak, simulate, solve
+from ckpt_plugin.planning.rotor import fit, least_peak, simulate
 from ckpt_plugin.units import format_bytes
 
 log = logging.getLogger("ckpt_plugin")
@@ -49,11 +47,11 @@ def optimal_plan(model: nn.Module, config: FullConfig, names: list[str], forward
     limit = least_peak(costs) if budget.least else resolve(budget, none_peak)
     if limit >= none_peak:  # nothing checkpointed fits, as measured, whatever the model says (as for ckpt=auto)
         limit = max(limit, simulate(costs, range(len(names)))[0])
-    try:
-        solution = solve(costs, limit, names)
-    except Unreachable as err:
-        refused = ConfigError([Problem("ckpt.budget", unreachable(limit, err.least, none_peak))])
-        raise with_floor(refused, model, lambda: scalar(forward()), limit, none_peak) from err
+    solution = fit(costs, limit, names)
+    if isinstance(solution, NoFit):
+        refused = ConfigError([cannot_meet(limit, solution.least, none_peak, by="ckpt.segments=optimal",
+                                           reaching="any schedule of the chain reaches")])
+        raise with_floor(refused, model, lambda: scalar(forward()), limit, none_peak)
     against = (f"ckpt.segments=optimal over the {len(names)} layers {names[0]} .. {names[-1]} for ckpt.budget="
                f"{config.budget} ({format_bytes(limit)}; the activation peak without checkpointing is "
                f"{format_bytes(none_peak)})")
@@ -66,61 +64,6 @@ def optimal_plan(model: nn.Module, config: FullConfig, names: list[str], forward
         lines[-1] += f" ({solution.recompute_flops / sum(costs.flops):.2f} of one forward of the layers)"
     group = Segments(tuple(names), solution.schedule, treatment_of(config))
     return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
-
-
-def chain_instead(model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any], note: str,
-                   measured: Profile, *, below: int, refused: ConfigError | None = None) -> WrapPlan | None:
-    """``ckpt=auto`` below ``below``, the least peak of one option per layer: Rotor's schedule over the layers,
-    if they form a chain (checked where they sit and on the sample, as ``ckpt.segments`` is) and it fits the budget.
-
-    ``refused``: why the per-layer plans did not fit, raised again where regions do not
-    fit either or the layers form no chain; without it (``ckpt.budget=min``) the least
-    peak of the regions, or None where they reach no lower than ``below``.
-    Nested regions recompute more FLOPs than any per-layer plan that fits, so they are
-    only the answer where none fits; their cost is recomputed FLOPs (``rotor.py``). Eager
-    steps only: a region spans several layers' calls, opened and closed by hooks, which
-    ``torch.compile`` cannot capture as one graph (nor ``ckpt.compile`` compile as one call).
-    """
-    full = Treatment(checkpointing=True, preserve_rng_state=config.preserve_rng_state)
-    try:
-        check_plan(model, WrapPlan((Segments(tuple(names), 1, full),)))
-        problems = chain_problems(model, names, forward)
-    except ConfigError:
-        problems = True
-    if problems:
-        if refused is not None:
-            raise refused from None
-        return None
-    costs, none_peak = chain_costs(model, names, lambda: scalar(forward()))
-    limit = least_peak(costs) if refused is None else resolve(parse_budget(config.budget), none_peak)
-    if refused is None and limit >= below:
-        return None
-    try:
-        solution = solve(costs, limit, names)
-    except Unreachable as err:
-        if err.least >= below:
-            raise refused from None  # its least peak is the least of the two
-        raise ConfigError([Problem("ckpt.budget", unreachable(
-            limit, err.least, none_peak, "ckpt=auto", "of regions nested over the chain, below any one option per layer"))]) from err
-    short = (f"reaches {format_bytes(limit)} (ckpt.budget=min), as nested regions do" if refused is None else
-             f"fits ckpt.budget={config.budget} ({format_bytes(limit)})")
-    lines = [f"ckpt=auto: no choice per layer (keep, selective, full, or parts of it) {short}; the {len(names)} "
-             "layers form a chain, so it nests checkpointed regions over them: Rotor's schedule, the least "
-             "recomputed FLOPs that fit", str(solution)]
-    group = Segments(tuple(names), solution.schedule, full)
-    return WrapPlan((group,), summary="\n".join(filter(None, [note, *lines])), planned=solution, note=note)
-
-
-def unreachable(budget: int, least: int, reference: int, by: str = "ckpt.segments=optimal",
-                 reaching: str = "any schedule of the chain") -> str:
-    """Why ``budget`` bytes cannot be met ``by`` a mode: the least peak, as a budget that can be typed back."""
-    fraction = math.ceil(least / reference * 100) / 100
-    if int(fraction * reference) < least:  # the float's rounding, not the user's
-        fraction += 0.01
-    return (f"ckpt.budget: {budget} bytes ({format_bytes(budget)}, {budget / reference:.2f} of the activation peak "
-            f"without checkpointing, {format_bytes(reference)}) cannot be met by {by}: the least peak {reaching} "
-            f"reaches is {least} bytes ({format_bytes(least)}, {least / reference:.2f}); raise ckpt.budget to at "
-            f"least {min(fraction, 1):g} or {least}B")
 
 
 def chain_problems(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> list[Problem]:
@@ -143,4 +86,4 @@ def chain_problems(model: nn.Module, names: list[str], forward: Callable[[], Any
     return [call_problem(model, names, breaks)] if breaks else []
 
 
-__all__ = ["chain_instead", "chain_problems", "optimal_plan", "unreachable"]
+__all__ = ["chain_problems", "optimal_plan"]

@@ -118,6 +118,26 @@ def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
     return Budget(bytes=size)
 
 
+def cannot_meet(budget_bytes: int, least: int, reference: int, *, by: str, reaching: str = "reachable",
+                hint: str = "") -> Problem:
+    """The one way a budget no plan meets is said: the budget, the least peak ``by`` reaches, and a budget that
+    can be typed back (a fraction rounded up so that it does reach, or bytes); ``least`` rides along as data.
+
+    ``reference`` is the activation peak without checkpointing: the fractions are of it,
+    and a budget of it always fits (everything kept), so the bytes typed back never exceed it.
+    """
+    fraction = math.ceil(least / reference * 100) / 100
+    if int(fraction * reference) < least:  # the float's rounding, not the user's
+        fraction += 0.01
+    return Problem(
+        "ckpt.budget",
+        f"ckpt.budget: {budget_bytes} bytes ({format_bytes(budget_bytes)}, {budget_bytes / reference:.2f} of the "
+        f"activation peak without checkpointing, {format_bytes(reference)}) cannot be met by {by}: the least peak "
+        f"{reaching} is {least} bytes ({format_bytes(least)}, {least / reference:.2f}); raise ckpt.budget to at "
+        f"least {min(fraction, 1):g} or {min(least, reference)}B{hint}",
+        value=budget_bytes, least=least)
+
+
 def resolve(budget: Budget, no_ckpt_peak_bytes: int) -> int:
     """The budget in bytes, given the activation peak of a step without checkpointing (not for ``min``)."""
     assert not budget.least, "ckpt.budget=min is planned for, not resolved: the planner finds its bytes"

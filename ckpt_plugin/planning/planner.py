@@ -28,13 +28,15 @@ DP here treats them as any other option; a :class:`Plan` lists the parts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckpt_plugin.config.budget import cannot_meet
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.planning.frontier import pareto
+from ckpt_plugin.planning.nofit import NoFit
 from ckpt_plugin.units import format_bytes
 
 # In order of intrusiveness (ties in cost go left): ``selective`` saves every matmul's output
@@ -111,7 +113,11 @@ class Profile:
     regrouped: tuple[str, ...] = ()  # layers measured as op groups (op_groups.py): their parts are groups
 
     def plan(self, budget_bytes: int) -> Plan:
-        """The planner's choice for ``budget_bytes``, its peak measured before it is taken.
+        """:meth:`fit`, raising the one "cannot be met" :class:`ConfigError` where no plan fits."""
+        return _fitted(self.fit(budget_bytes))
+
+    def fit(self, budget_bytes: int) -> Plan | NoFit:
+        """The planner's choice for ``budget_bytes``, its peak measured before it is taken; or why none fits.
 
         The peak model is exact for the layers' own options on the example models and, as
         tested, for their parts; not on every model (Hugging Face's Funnel pools between its
@@ -127,10 +133,9 @@ class Profile:
         """
         layers, measured = self.layers, []
         for _ in range(_TRIES):
-            try:
-                chosen = plan(layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
-                              reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
-            except ValueError:  # none predicted to fit: the least plan may measure less than predicted
+            chosen = choose(layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
+                            reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
+            if isinstance(chosen, NoFit):  # none predicted to fit: the least plan may measure less than predicted
                 break
             chosen = replace(chosen, budget_bytes=budget_bytes, timed_as=self.timed_as)
             inside = len(chosen.choices) > len(self.layers)
@@ -146,7 +151,7 @@ class Profile:
         least = self.least()
         if least.predicted_peak <= budget_bytes:
             return replace(least, budget_bytes=budget_bytes)
-        raise ValueError(unreachable(budget_bytes, min(measured + [least.predicted_peak]), self.no_ckpt_peak))
+        return NoFit(budget_bytes, min(measured + [least.predicted_peak]), self.no_ckpt_peak)
 
     def _measured(self, chosen: Plan, said: bool = False) -> Plan:
         """``chosen`` with its peak measured (one step on fake tensors), said so in its summary where ``said`` (a
@@ -265,14 +270,12 @@ class Plan:
 _TRIES = 4  # plans measured for one budget, each planned with what the last held over its prediction charged
 
 
-def unreachable(budget_bytes: int, smallest: int, reference: int) -> str:
-    """Why ``budget_bytes`` cannot be met, with the least peak reachable and a budget that can be typed back."""
-    return (f"ckpt.budget: {budget_bytes} bytes ({format_bytes(budget_bytes)}, {budget_bytes / reference:.2f} of "
-            f"the activation peak without checkpointing, {format_bytes(reference)}) cannot be met by "
-            f"checkpointing ckpt.layers: the smallest peak reachable is {smallest} bytes ({format_bytes(smallest)}, "
-            f"{smallest / reference:.2f}); raise ckpt.budget to at least "
-            f"{min(math.ceil(smallest / reference * 100) / 100, 1):g} or {min(smallest, reference)}B, "
-            "or select more layers")
+def _fitted(chosen: Plan | NoFit) -> Plan:
+    """``chosen``, or the budget's one "cannot be met" error (``config.budget.cannot_meet``) for a :class:`NoFit`."""
+    if isinstance(chosen, NoFit):
+        raise ConfigError([cannot_meet(chosen.budget_bytes, chosen.least, chosen.reference,
+                                       by="checkpointing ckpt.layers", hint=", or select more layers")])
+    return chosen
 
 
 def _cost(option: str, cost: Cost) -> tuple[float, int, int]:
@@ -328,7 +331,12 @@ def smallest_peak(profiles: list[LayerProfile], rest_running: int = 0) -> int:
     return min(max(peak, kept + rest_running) for kept, peak in frontier)
 
 
-def plan(
+def plan(profiles: list[LayerProfile], rest_bytes: int, budget_bytes: int, **options: Any) -> Plan:
+    """:func:`choose`, raising the one "cannot be met" :class:`ConfigError` where no choice fits."""
+    return _fitted(choose(profiles, rest_bytes, budget_bytes, **options))
+
+
+def choose(
     profiles: list[LayerProfile],
     rest_bytes: int,
     budget_bytes: int,
@@ -336,8 +344,9 @@ def plan(
     rest_running: int = 0,
     reference_peak: int | None = None,
     none_seconds: float = 0.0,
-) -> Plan:
-    """The choice of options with the least added step time (then FLOPs) whose predicted peak fits ``budget_bytes``.
+) -> Plan | NoFit:
+    """The choice of options with the least added step time (then FLOPs) whose predicted peak fits ``budget_bytes``;
+    a :class:`NoFit` with the least peak any choice reaches where none does.
 
     ``profiles`` are in the order the layers run. Ties go to the less
     intrusive options. ``reference_peak`` (the activation peak without
@@ -360,7 +369,7 @@ def plan(
         most = tuple("keep" if "keep" in p.options else max(p.options, key=lambda o: p.options[o].kept_bytes)
                      for p in profiles)
         reference = reference_peak or predicted_peak(profiles, most, rest_running)[0]
-        raise ValueError(unreachable(budget_bytes, smallest, reference))
+        return NoFit(budget_bytes, smallest, reference)
     cost, chosen = best
     peak, at = predicted_peak(profiles, chosen, rest_running)
     if reference_peak is not None and set(chosen) == {"keep"}:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, fields
 
 from ckpt_plugin.engine.sequential import Node, Region, regions
 from ckpt_plugin.planning.frontier import pareto
+from ckpt_plugin.planning.nofit import NoFit
 from ckpt_plugin.units import format_bytes
 
 
@@ -320,20 +321,26 @@ def tradeoffs(costs: ChainCosts) -> list[tuple[int, int]]:
 
 
 def solve(costs: ChainCosts, limit: int, names: Sequence[str] = ()) -> Solution:
-    """The schedule with the least recomputation (then the fewest regions) whose predicted peak is within ``limit``.
+    """:func:`fit`, raising :class:`Unreachable` (a ``ValueError``) with the least peak where no schedule fits."""
+    solution = fit(costs, limit, names)
+    if isinstance(solution, NoFit):
+        raise Unreachable(limit, solution.least)
+    return solution
 
-    Raises :class:`Unreachable` (a ``ValueError``) with the least peak when none is.
-    """
+
+def fit(costs: ChainCosts, limit: int, names: Sequence[str] = ()) -> Solution | NoFit:
+    """The schedule with the least recomputation (then the fewest regions) whose predicted peak is within ``limit``;
+    a :class:`NoFit` with the least peak any schedule reaches where none is."""
     solver, top = _top(costs)
     least = costs.input_bytes[0] + top.needs[0]
     spare = limit - costs.input_bytes[0]
     cost = top.at(spare)
     if cost is None:
-        raise Unreachable(limit, least)
+        return NoFit(limit, least)
     nodes = tuple(solver.build(0, costs.length, True, spare))
     peak, flops = simulate(costs, nodes)
     assert peak <= limit and flops == cost[0] and len(regions(nodes)) == cost[1], (nodes, peak, flops, cost)
     return Solution(nodes, flops, peak, limit, least, tuple(names))
 
 
-__all__ = ["ChainCosts", "Solution", "Unreachable", "describe", "least_peak", "simulate", "solve", "tradeoffs"]
+__all__ = ["ChainCosts", "Solution", "Unreachable", "describe", "fit", "least_peak", "simulate", "solve", "tradeoffs"]
