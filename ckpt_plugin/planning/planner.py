@@ -127,9 +127,8 @@ class Profile:
         beyond its prediction is charged to the options it took (those inside layers where
         it went inside; else every one but ``keep``) and it is planned again, a few times.
         Then the least plan stands in, if it fits: a budget that ``ckpt.budget=min``'s plan
-        meets is never refused (Hugging Face's CodeGen had 0.5 refused as "smallest
-        reachable 0.50" while ``min`` held 0.32, 2026-11-27: each try had lowered the
-        target, not the estimate).
+        meets is never refused (each try lowers the estimate, not the target: the case
+        behind it, Hugging Face's CodeGen, is in CHANGELOG.md under issue #23).
         """
         layers, measured = self.layers, []
         for _ in range(_TRIES):
@@ -171,10 +170,10 @@ class Profile:
         Inside a layer the prediction is not exact, so a plan predicted to hold more (or as much) may
         measure less. So the options inside layers that the chosen plan took are charged what it held
         beyond its prediction (at least a byte: a tie is looked past too), and the least is planned
-        again, until a plan comes back or a few were measured; the lowest measured is kept. On Hugging
-        Face's BERT, one more candidate (its prediction head) had made ``min`` hold 75,656 B where
-        the plan without it held 72,840 B (one thread, 2026-11-27); now both hold 72,840 B. A
-        heuristic: the plan it keeps is the lowest of those it measured, not of all plans.
+        again, until a plan comes back or a few were measured; the lowest measured is kept (so one
+        more candidate layer can never raise ``min``'s peak; the case behind it, Hugging Face's
+        BERT, is in CHANGELOG.md). A heuristic: the plan it keeps is the lowest of those it
+        measured, not of all plans.
         """
         layers, best, seen = self.layers, None, set()
         for _ in range(_TRIES):
