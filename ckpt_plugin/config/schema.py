@@ -214,7 +214,7 @@ class SelectiveConfig(_Recomputing):
     exclude_names: Any = None
 
     def __post_init__(self) -> None:
-        from ckpt_plugin.engine.policies import make_policy
+        from ckpt_plugin.config.policy import read_policy  # loads torch: only when a selective config is checked
 
         problems = _checkpointing_problems(self)
         if self.segments == "optimal":
@@ -227,7 +227,7 @@ class SelectiveConfig(_Recomputing):
                 "recursive",
             ))
         try:
-            make_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
+            read_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
         except ConfigError as err:
             problems += err.problems
         raise_problems(problems + compile_problems(self))

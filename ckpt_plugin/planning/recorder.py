@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import TorchDispatchMode, checkpoint_placeholder, is_fake, op_flops, tree_leaves
-from ckpt_plugin.engine.policies import BATCHED_MATMULS
+from ckpt_plugin.config.policy import BATCHED_MATMULS
 from ckpt_plugin.measure.memory import REST
 
 
