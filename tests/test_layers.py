@@ -120,7 +120,7 @@ def imports_of(module: str) -> list[Import]:
     found: list[Import] = []
 
     def visit(node: ast.AST, in_function: bool) -> None:
-        if module == "ckpt_plugin" and isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:  # the TYPE_CHECKING body never runs
                 visit(child, in_function)
             return

@@ -19,7 +19,7 @@ from ckpt_plugin.apply.strategies import (
     least_of,
     strategies,
 )
-from ckpt_plugin.config.budget import Budget, parse_budget, resolve
+from ckpt_plugin.config.budget import Budget, resolve
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.plan import WrapPlan
@@ -45,7 +45,7 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
     step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
     fits, with what stands in the way (eager steps: ``diagnose.py``)."""
-    budget = parse_budget(config.budget)
+    budget = config.read_budget
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
     eager = not compiled and backend is None

@@ -17,7 +17,7 @@ from torch import nn
 
 from ckpt_plugin.apply.diagnose import with_floor
 from ckpt_plugin.apply.treatment import treatment_of
-from ckpt_plugin.config.budget import cannot_meet, parse_budget, resolve
+from ckpt_plugin.config.budget import cannot_meet, resolve
 from ckpt_plugin.config.schema import FullConfig
 from ckpt_plugin.engine.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import Segments, WrapPlan
@@ -43,7 +43,7 @@ def optimal_plan(model: nn.Module, config: FullConfig, names: list[str], forward
     schedule reaches is refused with that least peak.
     """
     costs, none_peak = chain_costs(model, names, lambda: scalar(forward()))
-    budget = parse_budget(config.budget)
+    budget = config.read_budget
     limit = least_peak(costs) if budget.least else resolve(budget, none_peak)
     if limit >= none_peak:  # nothing checkpointed fits, as measured, whatever the model says (as for ckpt=auto)
         limit = max(limit, simulate(costs, range(len(names)))[0])

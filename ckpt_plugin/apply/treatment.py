@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ckpt_plugin.config.schema import CkptConfig, OffloadConfig, SelectiveConfig
 from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
-from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.policies import SelectivePolicy
 from ckpt_plugin.engine.treatment import Treatment
 
 
@@ -14,7 +14,7 @@ def treatment_of(config: CkptConfig) -> Treatment:
         return Treatment(checkpointing=False, offload=True)
     policy = None
     if isinstance(config, SelectiveConfig):
-        policy = make_policy(config.policy, save_names=config.save_names, exclude_names=config.exclude_names)
+        policy = SelectivePolicy.of(config.read_policy)
     deepspeed = getattr(config, "deepspeed", None)
     return Treatment(
         checkpointing=True,

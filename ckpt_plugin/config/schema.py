@@ -24,13 +24,16 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckpt_plugin.config.budget import parse_budget
+from ckpt_plugin.config.budget import Budget, parse_budget
 from ckpt_plugin.config.deepspeed import settings_of
 from ckpt_plugin.config.keys import HELP
 from ckpt_plugin.config.values import compile_problems, timing_problems
 from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
+
+if TYPE_CHECKING:  # config/policy.py loads torch: the schema imports it only to check a selective config
+    from ckpt_plugin.config.policy import PolicySpec
 
 MISSING = "???"  # OmegaConf's MISSING value, without importing OmegaConf (the schema loads no framework)
 
@@ -49,6 +52,21 @@ class LayerSelection:
 
     layers: Any = None
     every_n: int = 1
+
+    # Values read into their types when the config is built (never again). Class attributes, not annotated: not
+    # keys, so not fields (as_keys, Hydra's node and the callback's signature see only the keys).
+    _budget = None  # Budget | None
+    _policy = None  # PolicySpec | None
+
+    @property
+    def read_budget(self) -> Budget | None:
+        """``ckpt.budget`` as read when this config was built; None where the mode has none or it was not given."""
+        return self._budget
+
+    @property
+    def read_policy(self) -> PolicySpec | None:
+        """``ckpt.policy`` with its names, as read when this ``ckpt=selective`` config was built."""
+        return self._policy
 
     def _problems(self) -> list[Problem]:
         problems: list[Problem] = []
@@ -150,7 +168,7 @@ def _budget_problems(config: FullConfig) -> list[Problem]:
             "or choose ckpt.segments=sqrt or recursive, which need no budget",
         )]
     try:
-        parse_budget(budget)
+        config._budget = parse_budget(budget)
     except ConfigError as err:
         return err.problems
     return []
@@ -227,7 +245,7 @@ class SelectiveConfig(_Recomputing):
                 "recursive",
             ))
         try:
-            read_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
+            self._policy = read_policy(self.policy, save_names=self.save_names, exclude_names=self.exclude_names)
         except ConfigError as err:
             problems += err.problems
         raise_problems(problems + compile_problems(self))
@@ -261,7 +279,7 @@ class AutoConfig(LayerSelection):
         problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)
         if not (given and self.budget is None):
             try:
-                parse_budget(self.budget)
+                self._budget = parse_budget(self.budget)
             except ConfigError as err:
                 problems += err.problems
         raise_problems(problems + compile_problems(self) + timing_problems(self.timing))

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ckpt_plugin._compat import TorchDispatchMode
 from ckpt_plugin._compat import argument as _argument
-from ckpt_plugin.config.policy import read_policy
+from ckpt_plugin.config.policy import PolicySpec, read_policy
 from ckpt_plugin.engine.name_tags import NAME_OP, checkpoint_name
 from ckpt_plugin.engine.selective_modes import SavedOutputModified, region_modes
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
@@ -66,7 +66,16 @@ class SelectivePolicy:
     """
 
     def __init__(self, policy: Any, *, save_names: Any = None, exclude_names: Any = None) -> None:
-        spec = read_policy(policy, save_names=save_names, exclude_names=exclude_names)
+        self._take(read_policy(policy, save_names=save_names, exclude_names=exclude_names))
+
+    @classmethod
+    def of(cls, spec: PolicySpec) -> SelectivePolicy:
+        """The policy a config read already (``SelectiveConfig.read_policy``): nothing is read again."""
+        policy = cls.__new__(cls)
+        policy._take(spec)
+        return policy
+
+    def _take(self, spec: PolicySpec) -> None:
         self.policy, self.ops, self.uses_names = spec.policy, spec.ops, spec.uses_names
         self.save_names, self.exclude_names = spec.save_names, spec.exclude_names
         self.seen_names: set[str] = set()
