@@ -200,13 +200,14 @@ def _fit(tmp_path, ckpt_path=None, max_steps: int = 2, **keys):
 
 def _no_planning(monkeypatch) -> None:
     """ckpt=auto's profile (our own entry point to all measuring and timing) fails if anything calls it."""
-    import ckpt_plugin.apply.auto as auto
     import ckpt_plugin.apply.segments as segments
+    import ckpt_plugin.apply.strategies as strategies
 
     def refuse(*args, **kwargs):
         raise AssertionError("the profile ran")
 
-    monkeypatch.setattr(auto, "profile", refuse)
+    monkeypatch.setattr(strategies, "profile", refuse)
+    monkeypatch.setattr(strategies, "chain_costs", refuse)
     monkeypatch.setattr(segments, "chain_costs", refuse)
 
 
