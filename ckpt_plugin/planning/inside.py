@@ -27,7 +27,7 @@ theirs, plus the glue's running bytes, which hold what the glue keeps so far::
     kept(inside) = glue_kept + kept[1] + ... + kept[k]
 
 A part's running bytes count what is alive beyond the keeps of the windows
-that ended before it began (``profile._Recorder.analyse``), so what its
+that ended before it began (``recorder.Recorder.analyse``), so what its
 layer's glue keeps, or a later part keeps already, is in them. A tensor that
 the glue and a part both keep is the layer's (the glue keeps it whatever the
 part's option), and a part left unwrapped keeps of its inputs only what its

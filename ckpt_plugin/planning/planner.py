@@ -1,7 +1,7 @@
 """The exact planner behind ``ckpt=auto``: one option per layer, least recompute under a budget.
 
-The peak model (see ``profile.py`` for how each number is measured), with the
-layers in the order they run::
+The peak model, written here once (``recorder.py`` measures its numbers), with
+the layers in the order they run::
 
     peak = max(max_i(kept[1] + ... + kept[i-1] + running[i]),  # while layer i runs or recomputes
                kept[1] + ... + kept[L] + rest_running)          # while the head and loss run
@@ -11,7 +11,9 @@ backward. While it recomputes in backward, the layers after it have already
 run their backward and freed what they kept. So a layer's running bytes add
 to what the layers before it keep, not to what every layer keeps: on a
 ResNet, whose first blocks have the largest activations, this is the
-difference between a useful bound and one that refuses every budget.
+difference between a useful bound and one that refuses every budget. The model
+assumes backward visits the layers in reverse order (a chain of blocks); it is
+exact for such a chain except that a tensor two layers keep counts twice.
 
 For a given budget, feasibility of what is left depends only on the bytes kept
 so far, so a dynamic programme over the layers that keeps the Pareto frontier
@@ -239,16 +241,18 @@ class Plan:
 
     def __str__(self) -> str:
         # A part is indented under its layer (and a part's part under it): depth = listed ancestors.
+        # "planned kept" is the planner's own count, not the report's "kept" (docs/measure.md: a tensor two
+        # layers keep is the later one's, a layer's inputs are its own under every option).
         names = [n for n, *_ in self.rows]
         shown = ["  " * sum(n.startswith(a + ".") for a in names) + n for n in names]
-        width = max(len("total (peak)"), len(REST), *(len(n) for n in shown))
+        width = max(len("total"), len(REST), *(len(n) for n in shown))
         wide = max(len("selective"), *(len(o) for _, o, _, _ in self.rows))
-        lines = [f"{'layer':<{width}}  {'option':<{wide}}  {'kept':>10}  {'recompute FLOPs':>16}"]
-        lines += [f"{n:<{width}}  {o:<{wide}}  {format_bytes(b):>10}  {f:>16,}"
+        lines = [f"{'layer':<{width}}  {'option':<{wide}}  {'planned kept':>12}  {'recompute FLOPs':>16}"]
+        lines += [f"{n:<{width}}  {o:<{wide}}  {format_bytes(b):>12}  {f:>16,}"
                   for n, (_, o, b, f) in zip(shown, self.rows)]
-        lines.append(f"{REST:<{width}}  {'':<{wide}}  {format_bytes(self.rest_bytes):>10}")
-        peak, flops = format_bytes(self.predicted_peak), self.recompute_flops
-        lines.append(f"{'total (peak)':<{width}}  {'':<{wide}}  {peak:>10}  {flops:>16,}")
+        lines.append(f"{REST:<{width}}  {'':<{wide}}  {format_bytes(self.rest_bytes):>12}")
+        kept = self.rest_bytes + sum(b for n, _, b, _ in self.rows if not any(n.startswith(a + ".") for a in names))
+        lines.append(f"{'total':<{width}}  {'':<{wide}}  {format_bytes(kept):>12}  {self.recompute_flops:>16,}")
         how = "measured with the plan on (fake tensors)" if self.peak_measured else f"while {self.peak_at} runs"
         lines.append(f"predicted activation peak {format_bytes(self.predicted_peak)} ({self.predicted_peak} B), "
                      f"{how}, <= budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} B)")

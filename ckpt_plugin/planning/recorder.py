@@ -1,30 +1,17 @@
 """What one training step keeps for backward, and when: the recorder behind ``ckpt=auto``'s peak model.
 
-The planner (``planner.py``) predicts a plan's activation peak from a few
-numbers per layer; :class:`Recorder` measures them, in activation bytes as
-MemTracker counts them (storages made by ops in forward, or by recomputation
-in backward), with the layers in the order they first run::
-
-    peak = max(max_i(kept[1] + ... + kept[i-1] + running[i]), kept[1] + ... + kept[L] + rest_running)
-
-At any moment of a step the live activations split in two: those the layers
-other than the one running keep for backward, and everything else. While
-layer ``i`` runs forward, the layers before it have run and keep all they
-keep; those after it have not run. While it recomputes in backward, the
-layers after it have run their backward and freed what they kept. So the
-others keep exactly ``kept[1..i-1]``, and the rest is layer ``i``'s
-``running`` bytes: the most measured alive beyond the other layers' keeps, in
-its forward or recomputation (its own keeps so far, its temporaries, its
-output, the rest of the model's keeps). Outside the layers (embedding, head,
-loss) every layer keeps all it keeps, plus the rest's running bytes. In
-backward, outside recomputation, autograd makes no activations and only frees
-them, so no new maximum arises there. A layer's inputs count as kept by it
-under every option (checkpointing holds them; without it a layer usually
-saves them), so that no layer's numbers depend on a neighbour's option. The
-model assumes backward visits the layers in reverse order (a chain of blocks,
-as in every example and the models it is meant for); it is exact for such a
-chain except that a tensor two layers keep counts twice, and tests check it
-bounds MemTracker's act peak on the GPT and the ResNet, within 5 %.
+The peak model itself (what ``kept``, ``running`` and ``rest_running`` are, and why
+the peak is what it is) is written once, in ``planner.py``'s docstring.
+:class:`Recorder` measures those numbers, in activation bytes as MemTracker counts
+them (storages made by ops in forward, or by recomputation in backward), with the
+layers in the order they first run. A layer's ``running`` bytes are the most
+measured alive beyond the other layers' keeps, in its forward or recomputation
+(its own keeps so far, its temporaries, its output, the rest of the model's keeps).
+In backward, outside recomputation, autograd makes no activations and only frees
+them, so no new maximum arises there. A layer's inputs count as kept by it under
+every option (checkpointing holds them; without it a layer usually saves them),
+so that no layer's numbers depend on a neighbour's option. Tests check that the
+model bounds MemTracker's act peak on the GPT and the ResNet, within 5 %.
 
 A step is recorded by ``steps.py``, which gives each layer a window
 (:meth:`Recorder.window`) for as long as the step lasts.
