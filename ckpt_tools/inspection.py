@@ -22,9 +22,10 @@ the real steps instead (peaks from CUDA's allocator on a GPU), for comparison.
 
 from __future__ import annotations
 
-import contextlib
+import os
+import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,14 +37,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.apply.install import apply_config
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.lightning.app import check_app_config, config_errors_exit, config_groups
 from ckpt_plugin.engine.wrap import remove_checkpointing
-from ckpt_plugin.measure.fake import NotFakeable, fake_measurement
+from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import Floor, forward_floor
-from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
+from ckpt_plugin.measure.memory import REST, SavedBytes, side_effect_free
+from ckpt_plugin.measure.report import StepMeasure, measure_step, on_fake_model
 from ckpt_plugin.units import format_bytes
 
 
@@ -98,60 +99,6 @@ def _flops_by_module(step: Callable[[], Any], root: str, names: list[str]) -> tu
     return counter.get_total_flops(), by_name
 
 
-def _peaks(step: Callable[[], Any], model: nn.Module, device: torch.device, fake: bool) -> dict[str, int]:
-    if device.type == "cuda" and not fake:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return {"total": torch.cuda.max_memory_allocated(device), "act": torch.cuda.max_memory_allocated(device) - base}
-    return step_memory(step, model)
-
-
-@contextlib.contextmanager
-def _on_fake_model(model: nn.Module, what: str) -> Iterator[None]:
-    """``on_fake_tensors`` with the model's parameters and buffers swapped for their fake copies.
-
-    ``on_fake_tensors`` converts parameters, buffers and the batch on use, and
-    the mode memoises the copies weakly. Bytes saved and FLOPs come out exact
-    that way, but not ``MemTracker``'s peaks: a view of a parameter
-    (``weight.t()`` for a matmul) is a view of its copy, a storage MemTracker
-    has never seen as a parameter, so it files it as an activation (the test
-    GPT's activation peak came out 54 % high); and the copy of a batch tensor
-    dies with the last op that reads it, where the real batch lives on (256 B
-    low). So the module attributes hold the fake copies while the step runs
-    (put back after), and the copy of every other real tensor an op reads is
-    kept alive until the end, as the real tensor is.
-    """
-    slots = [(m, name, t) for m in model.modules()
-             for name, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]
-    with fake_measurement(model, what) as mode, side_effect_free(model), mode, _KeepCopies(mode):
-        copies = {id(t): mode.from_tensor(t) for _m, _name, t in slots}  # tied weights stay tied: one copy
-        try:
-            for m, name, t in slots:
-                setattr(m, name, copies[id(t)])
-            yield
-        finally:
-            for m, name, t in slots:
-                setattr(m, name, t)
-
-
-class _KeepCopies(TorchDispatchMode):
-    """Keeps the fake copy of every real tensor an op reads (the batch) alive while it is in force."""
-
-    def __init__(self, mode: Any) -> None:
-        super().__init__()
-        self.mode = mode
-        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (real, its copy): both held
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and not is_fake(t) and id(t) not in self.copies:
-                self.copies[id(t)] = (t, self.mode.from_tensor(t))  # the copy the op will get: memoised
-        return func(*args, **(kwargs or {}))
-
-
 def inspect_step(
     model: nn.Module, step_loss: Callable[[], torch.Tensor], *, fake: bool = True, **ckpt_keys: Any
 ) -> Inspection:
@@ -164,36 +111,30 @@ def inspect_step(
     """
     config = make_config(**ckpt_keys)
     remove_checkpointing(model)
-    device = next(model.parameters()).device
 
     def step() -> None:
         step_loss().backward()
         model.zero_grad(set_to_none=True)
 
-    def measuring() -> contextlib.AbstractContextManager:
-        return _on_fake_model(model, "ckpt-inspect") if fake else side_effect_free(model)
-
-    def measure(names: list[str]) -> tuple[SavedBytes, int, dict[str, int], dict[str, int]]:
-        with measuring():
-            kept = saved_bytes(model, step_loss, names)
-        with measuring():
+    def measure(names: list[str]) -> tuple[StepMeasure, int, dict[str, int]]:
+        measured = measure_step(model, step_loss, names, fake=fake, what="ckpt-inspect")  # what the fit-start report measures
+        with on_fake_model(model, "ckpt-inspect") if fake else side_effect_free(model):
             total, by_name = _flops_by_module(step, type(model).__name__, names)
-        with measuring():
-            peaks = _peaks(step, model, device, fake)
-        return kept, total, by_name, peaks
+        return measured, total, by_name
 
     names = apply_config(model, config)  # checks the config against the model first
     remove_checkpointing(model)
-    without, f0, by0, p0 = measure(names)
+    without, f0, by0 = measure(names)
     apply_config(model, config)
     try:
-        with_ckpt, f1, by1, p1 = measure(names)
+        with_ckpt, f1, by1 = measure(names)
     finally:
         remove_checkpointing(model)
     recompute = {n: by1[n] - by0[n] for n in names}
     recompute[REST] = (f1 - f0) - sum(recompute.values())
     floor = forward_floor(model, step_loss, fake=fake)
-    return Inspection(type(model).__name__, names, without, with_ckpt, recompute, (f0, f1), (p0, p1), floor)
+    return Inspection(type(model).__name__, names, without.kept, with_ckpt.kept, recompute, (f0, f1),
+                      (without.peaks, with_ckpt.peaks), floor)
 
 
 OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)  # --help: inspect.yaml's hydra.help
@@ -201,6 +142,10 @@ OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)  #
 
 @hydra.main(version_base="1.3", config_path="pkg://ckpt_tools.configs", config_name="inspect")
 def main(cfg: DictConfig) -> None:
+    # Your app's modules (model._target_=train.YourModule) import from where you run it, as they do for
+    # `python train.py` there; a console script's sys.path starts at its own bin directory instead.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     with config_errors_exit():  # a ckpt mistake: the message alone, exit code 2
         check_app_config(cfg)
         _inspect(cfg)

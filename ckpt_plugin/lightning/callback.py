@@ -89,7 +89,14 @@ from ckpt_plugin.lightning.strategies import (
 )
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
-from ckpt_plugin.measure.report import WrapReport, wrap_report
+from ckpt_plugin.measure.report import (
+    StepMeasure,
+    WrapReport,
+    how_wrapped,
+    measure_step,
+    wrap_report,
+    wrapped_line,
+)
 from ckpt_plugin.planning.plan_file import (
     FILE_NAME,
     plain,
@@ -232,29 +239,36 @@ class ActivationCheckpointing(pl.Callback):
         if plan.summary:
             rank_zero_info(plan.summary)
         self.planned = plan.planned
+        rows, options = _selected(plan)
+        sharded = sharded_parameters(trainer.strategy)
+        without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed
+        if forward is not None and sharded is None:
+            try:
+                without = measure_step(pl_module, forward, rows)
+            except NotFakeable as err:  # counted on fake tensors or not at all: never on real ones
+                without = err
         self._installed = install_plan(pl_module, plan)
         self.wrapped = self._installed.names
         if planning:
             self._keep(trainer, pl_module, plan)
+        wrapped = wrapped_line(len(self.wrapped), type(pl_module).__name__, how_wrapped(self.config.mode, options))
         if forward is None:
-            rank_zero_info(
-                f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
-                f"{', '.join(self.wrapped)}. (Set `example_input_array` on "
-                f"{type(pl_module).__name__} to see the activation memory this saves.)"
-            )
+            rank_zero_info(f"{wrapped}: {', '.join(self.wrapped)}. (Set `example_input_array` on "
+                           f"{type(pl_module).__name__} to see the activation memory this saves.)")
             return
-        sharded = sharded_parameters(trainer.strategy)
         if sharded is not None:
-            rank_zero_info(f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
-                           f"{', '.join(self.wrapped)}. Their saved bytes are not reported under {sharded}: the "
-                           "report's forward on fake tensors would run into the parameters it shards.")
+            rank_zero_info(f"{wrapped}: {', '.join(self.wrapped)}. Their kept bytes are not reported under {sharded}: "
+                           "the report's step on fake tensors would run into the parameters it shards.")
             self._check_names()
             return
         try:
-            self.report = wrap_report(pl_module, self.wrapped, forward)
-        except NotFakeable as err:  # counted on fake tensors or not at all: never on real ones
-            rank_zero_info(f"Activation checkpointing wrapped {len(self.wrapped)} module(s): "
-                           f"{', '.join(self.wrapped)}. Their saved bytes are not reported: {err}")
+            if isinstance(without, NotFakeable):
+                raise without
+            planned = (plan.planned.predicted_peak, plan.planned.budget_bytes) if options else None
+            self.report = wrap_report(pl_module, self.wrapped, forward, how=how_wrapped(self.config.mode, options),
+                                      rows=rows, options=options, without=without, planned=planned)
+        except NotFakeable as err:
+            rank_zero_info(f"{wrapped}: {', '.join(self.wrapped)}. Their kept bytes are not reported: {err}")
         else:
             rank_zero_info(str(self.report))
         self._check_names()
@@ -392,6 +406,16 @@ def _check_on(model: nn.Module, config: CkptConfig) -> None:
     if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
         config = FullConfig(layers=config.layers, every_n=config.every_n)
     check_plan(user_module(model), plan_for(model, config))  # what install() checks before touching the model
+
+
+def _selected(plan: Any) -> tuple[list[str], dict[str, str]]:
+    """The layers the report's rows are (ckpt=auto: every candidate layer, kept ones too, so that its
+    "(rest of model)" is the plan's), and ckpt=auto's option for each ({} for the other modes)."""
+    choices = getattr(plan.planned, "choices", None)
+    if not choices:
+        return plan.names, {}
+    layers = [n for n in choices if not any(n.startswith(f"{a}.") for a in choices)]  # parts are in their layer
+    return layers, {n: choices[n] for n in layers}
 
 
 def _changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
