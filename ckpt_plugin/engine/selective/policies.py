@@ -38,8 +38,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ckpt_plugin._compat import TorchDispatchMode
 from ckpt_plugin._compat import argument as _argument
 from ckpt_plugin.config.policy import PolicySpec, read_policy
-from ckpt_plugin.engine.name_tags import NAME_OP, checkpoint_name
-from ckpt_plugin.engine.selective_modes import SavedOutputModified, region_modes
+from ckpt_plugin.engine.selective.name_tags import NAME_OP, checkpoint_name
+from ckpt_plugin.engine.selective.selective_modes import SavedOutputModified, region_modes
 from ckpt_plugin.errors import Problem, closest_first, raise_problems
 
 

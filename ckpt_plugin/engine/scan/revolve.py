@@ -5,7 +5,7 @@ that backward reaches every step with at most ``snapshots`` carries kept and
 the fewest calls of ``fn``; no tensors here, ``checkpoint_scan(...,
 outputs="last")`` runs the actions::
 
-    from ckpt_plugin.engine.revolve import optimal_calls, schedule
+    from ckpt_plugin.engine.scan.revolve import optimal_calls, schedule
 
     actions = schedule(10, 3)       # 10 steps, at most 3 carries kept (init included)
     actions[:5]                     # advance to 4, takeshot 4, advance to 7, takeshot 7, advance to 10

@@ -35,9 +35,9 @@ from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
 from ckpt_plugin._compat import close_region, open_region
-from ckpt_plugin.engine.chain_check import Links, not_a_chain
+from ckpt_plugin.engine.segments.chain_check import Links, not_a_chain
 from ckpt_plugin.engine.norms import running_stats
-from ckpt_plugin.engine.sequential import Node, Region, regions, schedule
+from ckpt_plugin.engine.segments.sequential import Node, Region, regions, schedule
 from ckpt_plugin.engine.side_effects import Prepared, SideEffects
 from ckpt_plugin.engine.treatment import Treatment
 

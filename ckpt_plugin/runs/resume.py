@@ -37,7 +37,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ckpt_plugin.lightning.preemption import Preemption, hpc_checkpoints
+from ckpt_plugin.runs.preemption import Preemption, hpc_checkpoints
 
 __all__ = ["ResumableRNG", "latest_checkpoint"]
 

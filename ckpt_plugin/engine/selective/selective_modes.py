@@ -18,7 +18,7 @@ import torch
 from ckpt_plugin._compat import TorchDispatchMode, is_mutable as _is_mutable
 from ckpt_plugin._compat import storage_key as _storage_key, written as _written
 from ckpt_plugin._compat import outer_saved_tensors_hooks as _outer_saved_tensors_hooks, version as _version
-from ckpt_plugin.engine.name_tags import NAMING
+from ckpt_plugin.engine.selective.name_tags import NAMING
 
 # Ops that checkpoint itself runs a different number of times in forward and recompute
 # (torch's SAC_IGNORED_OPS): counting them would misalign the replay.

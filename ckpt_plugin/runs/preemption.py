@@ -24,7 +24,7 @@ What this callback does instead:
 3. All ranks save through ``trainer.save_checkpoint`` (the strategy's own path:
    one file under DDP, a sharded directory under FSDP or DeepSpeed) into
    ``.hpc_ckpt_<n>.ckpt.partial``; rank 0 flushes it and renames it to
-   ``hpc_ckpt_<n>.ckpt`` (:mod:`ckpt_plugin.lightning.atomic`). A kill before
+   ``hpc_ckpt_<n>.ckpt`` (:mod:`ckpt_plugin.runs.atomic`). A kill before
    the rename leaves the previous checkpoint as the newest complete one.
 4. On the requeue signal rank 0 requeues the job (``scontrol requeue``, or
    submitit's own handler when submitit launched the job). On SIGTERM alone it
@@ -40,7 +40,7 @@ What this callback does instead:
 
 The name ``hpc_ckpt_<n>.ckpt`` in ``trainer.default_root_dir`` is Lightning's own:
 ``fit(ckpt_path=None)`` under SLURM resumes from the highest ``n``, and
-``ckpt_plugin.lightning.resume.latest_checkpoint`` weighs it against ``last.ckpt``.
+``ckpt_plugin.runs.resume.latest_checkpoint`` weighs it against ``last.ckpt``.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from ckpt_plugin.lightning import slurm
-from ckpt_plugin.lightning.atomic import partial_path, publish, remove_path
+from ckpt_plugin.runs import slurm
+from ckpt_plugin.runs.atomic import partial_path, publish, remove_path
 
 __all__ = ["HPC_PREFIX", "Preempted", "Preemption", "hpc_checkpoints"]
 

@@ -7,7 +7,7 @@ carry, keep for backward only the carry that enters each window of
 reaches it::
 
     import torch
-    from ckpt_plugin.engine.scan import checkpoint_scan
+    from ckpt_plugin.engine.scan.scan import checkpoint_scan
 
     W = torch.randn(16, 16, requires_grad=True)
     b = torch.zeros(16, requires_grad=True)
@@ -94,7 +94,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ckpt_plugin.engine.scan_reversal import last_carry
+from ckpt_plugin.engine.scan.scan_reversal import last_carry
 
 __all__ = ["checkpoint_scan"]
 

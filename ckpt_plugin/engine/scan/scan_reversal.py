@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from ckpt_plugin.engine.revolve import Action, actions
+from ckpt_plugin.engine.scan.revolve import Action, actions
 
 __all__ = ["last_carry"]
 
