@@ -18,10 +18,10 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _WHERE = {
     "ActivationCheckpointing": "ckpt_plugin.lightning.callback",
-    "ResumableRNG": "ckpt_plugin.lightning.resume",
-    "Preemption": "ckpt_plugin.lightning.preemption",
-    "Preempted": "ckpt_plugin.lightning.preemption",
-    "AtomicCheckpointIO": "ckpt_plugin.lightning.atomic",
+    "ResumableRNG": "ckpt_plugin.runs.resume",
+    "Preemption": "ckpt_plugin.runs.preemption",
+    "Preempted": "ckpt_plugin.runs.preemption",
+    "AtomicCheckpointIO": "ckpt_plugin.runs.atomic",
     "AutoConfig": "ckpt_plugin.config.schema",
     "FullConfig": "ckpt_plugin.config.schema",
     "NoneConfig": "ckpt_plugin.config.schema",
@@ -36,13 +36,13 @@ _WHERE = {
     "wrapped_modules": "ckpt_plugin.engine.wrap",
     "checkpoint": "ckpt_plugin.engine.functional",
     "offloading": "ckpt_plugin.engine.offload",
-    "checkpoint_name": "ckpt_plugin.engine.policies",
-    "make_policy": "ckpt_plugin.engine.policies",
+    "checkpoint_name": "ckpt_plugin.engine.selective.policies",
+    "make_policy": "ckpt_plugin.engine.selective.policies",
     "RecomputationMismatch": "ckpt_plugin.engine.recompute_check",
     "checking_recomputation": "ckpt_plugin.engine.recompute_check",
     "checking_recomputed_values": "ckpt_plugin.engine.recompute_check",
-    "checkpoint_scan": "ckpt_plugin.engine.scan",
-    "checkpoint_sequential": "ckpt_plugin.engine.sequential",
+    "checkpoint_scan": "ckpt_plugin.engine.scan.scan",
+    "checkpoint_sequential": "ckpt_plugin.engine.segments.sequential",
     "WrapReport": "ckpt_plugin.measure.report",
     "SavedActivations": "ckpt_plugin.measure.residuals",
     "saved_activations": "ckpt_plugin.measure.residuals",
@@ -69,19 +69,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from ckpt_plugin.config.schema import AutoConfig, FullConfig, NoneConfig, OffloadConfig, SelectiveConfig, make_config
     from ckpt_plugin.engine.functional import checkpoint
     from ckpt_plugin.engine.offload import offloading
-    from ckpt_plugin.engine.policies import checkpoint_name, make_policy
+    from ckpt_plugin.engine.selective.policies import checkpoint_name, make_policy
     from ckpt_plugin.engine.recompute_check import (
         RecomputationMismatch,
         checking_recomputation,
         checking_recomputed_values,
     )
-    from ckpt_plugin.engine.scan import checkpoint_scan
-    from ckpt_plugin.engine.sequential import checkpoint_sequential
+    from ckpt_plugin.engine.scan.scan import checkpoint_scan
+    from ckpt_plugin.engine.segments.sequential import checkpoint_sequential
     from ckpt_plugin.engine.wrap import remove_checkpointing, wrapped_modules
     from ckpt_plugin.errors import ConfigError, Problem
-    from ckpt_plugin.lightning.atomic import AtomicCheckpointIO
+    from ckpt_plugin.runs.atomic import AtomicCheckpointIO
     from ckpt_plugin.lightning.callback import ActivationCheckpointing
-    from ckpt_plugin.lightning.preemption import Preempted, Preemption
-    from ckpt_plugin.lightning.resume import ResumableRNG
+    from ckpt_plugin.runs.preemption import Preempted, Preemption
+    from ckpt_plugin.runs.resume import ResumableRNG
     from ckpt_plugin.measure.report import WrapReport
     from ckpt_plugin.measure.residuals import SavedActivations, saved_activations

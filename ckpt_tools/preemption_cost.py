@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ckpt_plugin.lightning.preemption import Preemption
+from ckpt_plugin.runs.preemption import Preemption
 
 
 def _free_port() -> int:

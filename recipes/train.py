@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from omegaconf import DictConfig, OmegaConf
 
 from ckpt_plugin.lightning.app import check_app_config, config_errors_exit, config_groups
-from ckpt_plugin.lightning.resume import latest_checkpoint
+from ckpt_plugin.runs.resume import latest_checkpoint
 
 
 def processes(devices: Any, num_nodes: Any = 1) -> int:

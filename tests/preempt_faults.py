@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ckpt_plugin.lightning.atomic import AtomicCheckpointIO
+from ckpt_plugin.runs.atomic import AtomicCheckpointIO
 
 AT = ("backward", "optimizer_step", "save")
 

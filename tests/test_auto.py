@@ -17,7 +17,7 @@ from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
-from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.selective.policies import make_policy
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward, install
 from ckpt_plugin.errors import ConfigError
@@ -482,7 +482,7 @@ def test_auto_leaves_out_a_selective_option_a_layer_cannot_run_under() -> None:
     plans train bitwise as without checkpointing."""
     from ckpt_plugin.apply.install import apply_config
     from ckpt_plugin.config.schema import make_config
-    from ckpt_plugin.engine.policies import SavedOutputModified
+    from ckpt_plugin.engine.selective.policies import SavedOutputModified
 
     layers = [f"blocks.{i}" for i in range(4)]
     model = _scaled()

@@ -2,12 +2,14 @@
 
 A. Layer direction, read from the source (AST over every ``.py`` of ``ckpt_plugin/``,
    imports inside functions included): each module imports only its own layer or
-   lower ones (base < config < engine < measure < planning < apply < lightning: the config is read
-   below everything that uses it, the spine, ``apply``, sits above all it joins);
+   lower ones (base < config < engine < measure < planning < apply < runs < lightning: the config
+   is read below everything that uses it, the spine, ``apply``, sits above all it joins; ``runs``,
+   a run's lifecycle, uses no other layer and sits below the callback, which may use it);
    the library never imports ``ckpt_tools``, ``ckpt_examples``, ``recipes``; the
    torch-only layers import no Lightning/Hydra/OmegaConf (DeepSpeed only lazily);
-   ``config/`` no Lightning; the modules the search-path plugin loads (``config/hydra.py``)
-   no framework at module level; and the intra-package import graph has no cycle.
+   ``config/`` no Lightning; ``runs/`` no Hydra/OmegaConf; the modules the search-path
+   plugin loads (``config/hydra.py``) no framework at module level; and the
+   intra-package import graph has no cycle.
 B. Importing costs what it uses, in fresh interpreters: ``import ckpt_plugin`` loads
    no torch, the schema no torch/OmegaConf, the engine's public names no Lightning,
    Hydra, OmegaConf or DeepSpeed; ``ckpt_plugin.ActivationCheckpointing`` is then the
@@ -38,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ckpt_plugin"
 
 # Lowest first. A module may import its own layer or a lower one.
-LAYERS = ["base", "config", "engine", "measure", "planning", "apply", "lightning"]
+LAYERS = ["base", "config", "engine", "measure", "planning", "apply", "runs", "lightning"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 BASE_MODULES = {"ckpt_plugin", "ckpt_plugin._compat", "ckpt_plugin.errors", "ckpt_plugin.units"}  # the root __init__ is lazy: imports nothing
 
@@ -53,6 +55,7 @@ FORBIDDEN = {
     "planning": FRAMEWORKS,
     "apply": FRAMEWORKS,
     "config": LIGHTNING,
+    "runs": {"hydra", "omegaconf"},  # preemption, atomic saves, resume, SLURM: Lightning's, never Hydra's
 }
 # modules that must import no framework (torch included) at module level: the search-path plugin loads them
 NO_FRAMEWORK_AT_IMPORT = {"ckpt_plugin.config", "ckpt_plugin.config.schema", "ckpt_plugin.config.deepspeed",

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from ckpt_plugin._compat import hook_count
 from ckpt_plugin.engine.functional import checkpoint
 from ckpt_plugin.measure.memory import saved_bytes, step_flops
-from ckpt_plugin.engine.policies import SelectivePolicy, checkpoint_name, make_policy
+from ckpt_plugin.engine.selective.policies import SelectivePolicy, checkpoint_name, make_policy
 
 aten = torch.ops.aten
 F64 = 8  # bytes per float64 element

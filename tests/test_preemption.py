@@ -23,9 +23,9 @@ from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ckpt_plugin import ActivationCheckpointing, AtomicCheckpointIO, Preempted, Preemption, ResumableRNG
-from ckpt_plugin.lightning.atomic import atomic_path, partial_path, publish
-from ckpt_plugin.lightning.preemption import hpc_checkpoints
-from ckpt_plugin.lightning.resume import latest_checkpoint
+from ckpt_plugin.runs.atomic import atomic_path, partial_path, publish
+from ckpt_plugin.runs.preemption import hpc_checkpoints
+from ckpt_plugin.runs.resume import latest_checkpoint
 
 STEPS = 8
 

@@ -65,7 +65,7 @@ from torch.utils._pytree import tree_leaves
 
 from ckpt_plugin import ConfigError, apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin._compat import TorchDispatchMode, outer_saved_tensors_hooks
-from ckpt_plugin.engine.chain import ATTR
+from ckpt_plugin.engine.segments.chain import ATTR
 from ckpt_plugin.engine.offload import Offloading
 from ckpt_plugin.engine.wrap import CheckpointedForward, policy_of
 from random_models import (

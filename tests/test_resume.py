@@ -34,7 +34,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader.sampler import BatchSampler
 
 from ckpt_examples.data import EpochAwareDataLoader
-from ckpt_plugin.lightning.resume import ResumableRNG
+from ckpt_plugin.runs.resume import ResumableRNG
 
 MAX_STEPS = 16
 EVERY = 3  # last.ckpt every 3 optimizer steps

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ckpt_plugin._compat import CategoryPeakTracker
-from ckpt_plugin.engine import revolve
-from ckpt_plugin.engine.scan import checkpoint_scan
+from ckpt_plugin.engine.scan import revolve
+from ckpt_plugin.engine.scan.scan import checkpoint_scan
 from ckpt_plugin.measure.memory import saved_bytes, step_memory
 from scan_cells import DIM, Cell, dropout_step, make_init, step
 

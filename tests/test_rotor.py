@@ -30,7 +30,7 @@ from ckpt_plugin import (
 from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.plan import Segments, WrapPlan
-from ckpt_plugin.engine.sequential import Region, regions, schedule
+from ckpt_plugin.engine.segments.sequential import Region, regions, schedule
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import install, wrapped_modules
 from ckpt_plugin.errors import ConfigError

@@ -15,7 +15,7 @@ import torch
 
 from ckpt_plugin._compat import CategoryPeakTracker
 from ckpt_plugin.measure.memory import saved_bytes, step_flops, step_memory
-from ckpt_plugin.engine.scan import checkpoint_scan
+from ckpt_plugin.engine.scan.scan import checkpoint_scan
 from scan_cells import BATCH, DIM, Cell, dropout_step, make_init, step
 
 N_STEPS, EVERY = 1024, 32  # the numbers: k=1024 steps, a checkpoint every 32

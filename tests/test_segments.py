@@ -13,7 +13,7 @@ from torch import nn
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing, remove_checkpointing, wrapped_modules
 from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memory
-from ckpt_plugin.engine.sequential import Region, checkpoint_sequential, regions, schedule
+from ckpt_plugin.engine.segments.sequential import Region, checkpoint_sequential, regions, schedule
 
 
 def grads(model: nn.Module, batch, seed: int = 3):

@@ -20,7 +20,7 @@ from torch import nn
 
 from ckpt_plugin import apply_checkpointing, wrapped_modules
 from ckpt_plugin._compat import TorchDispatchMode, tree_leaves
-from ckpt_plugin.engine.policies import make_policy
+from ckpt_plugin.engine.selective.policies import make_policy
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.measure.memory import step_memory
 from ckpt_plugin.planning.timing import LayerTimes, measure_layer_times

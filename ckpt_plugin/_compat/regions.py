@@ -1,5 +1,5 @@
 """Non-reentrant checkpoint internals (``torch.utils.checkpoint``, private): a region opened and closed by
-hooks around several layers (``engine/chain.py``), the region saving its inputs found on the call stack, and
+hooks around several layers (``engine/segments/chain.py``), the region saving its inputs found on the call stack, and
 torch 2.11's placeholder among those inputs."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def open_region(fn: Any, preserve_rng_state: bool, context_fn: Any, *args: Any, 
 
     torch's composable ``checkpoint`` opens its region in a forward pre-hook and
     closes it in a forward hook with this private generator; we do the same
-    for regions spanning several layers (``engine/chain.py``). ``fn(*args, **kwargs)``
+    for regions spanning several layers (``engine/segments/chain.py``). ``fn(*args, **kwargs)``
     is what recomputation runs. Close with :func:`close_region` (or ``gen.close()`` on error).
     """
     generator = _region_generator()

@@ -23,7 +23,7 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), ptr) if ptr else (str(t.device), id(st))
 
 
-# -- for selective checkpointing's dispatch modes (policies.py) --
+# -- for selective checkpointing's dispatch modes (engine/selective/) --
 
 def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
     """The (pack, unpack) pair of the innermost ``saved_tensors_hooks``, or None (no public getter)."""
@@ -32,7 +32,7 @@ def outer_saved_tensors_hooks() -> tuple[Any, Any] | None:
 
 def version(t: torch.Tensor) -> int:
     """The in-place write counter autograd checks saved tensors against (``Tensor._version``,
-    private, no public getter; policies.py and offload.py key cached tensors by it)."""
+    private, no public getter; engine/selective/ and engine/offload.py key cached tensors by it)."""
     return t._version
 
 

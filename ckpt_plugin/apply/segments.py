@@ -2,7 +2,7 @@
 (which ``ckpt=auto``'s nested regions, ``strategies.NestedRegions``, go through too).
 
 Segments are checked when they are asked for, not at the first step (issue #20):
-where the layers sit (``engine.chain_check.check_chain``), then, when there is a
+where the layers sit (``engine.segments.chain_check.check_chain``), then, when there is a
 sample input, what they get in one forward of it on fake tensors: the very check
 every call of the chain goes through (``chain_check.Links``), on every layer.
 """
@@ -19,9 +19,9 @@ from ckpt_plugin.apply.diagnose import with_floor
 from ckpt_plugin.apply.treatment import treatment_of
 from ckpt_plugin.config.budget import cannot_meet, resolve
 from ckpt_plugin.config.schema import FullConfig
-from ckpt_plugin.engine.chain_check import call_problem, watching
+from ckpt_plugin.engine.segments.chain_check import call_problem, watching
 from ckpt_plugin.engine.plan import Segments, WrapPlan
-from ckpt_plugin.engine.sequential import regions
+from ckpt_plugin.engine.segments.sequential import regions
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.fake import on_fake_tensors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ckpt_plugin.config.schema import CkptConfig, OffloadConfig, SelectiveConfig
 from ckpt_plugin.engine import deepspeed as deepspeed_checkpoint
-from ckpt_plugin.engine.policies import SelectivePolicy
+from ckpt_plugin.engine.selective.policies import SelectivePolicy
 from ckpt_plugin.engine.treatment import Treatment
 
 

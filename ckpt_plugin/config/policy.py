@@ -1,5 +1,5 @@
 """``ckpt.policy`` (with ``save_names``/``exclude_names``), read once: which ops' outputs a selective region saves,
-or which ``checkpoint_name`` tags. The engine's :class:`~ckpt_plugin.engine.policies.SelectivePolicy` applies what
+or which ``checkpoint_name`` tags. The engine's :class:`~ckpt_plugin.engine.selective.policies.SelectivePolicy` applies what
 this reads; the schema checks a ``ckpt=selective`` config with it. Op names resolve against ``torch.ops.aten``, so
 this module loads torch (the schema imports it only when it checks a selective config).
 """

@@ -11,7 +11,7 @@
         return torch.cos(h)
 
 Every call runs ``fn`` under non-reentrant ``torch.utils.checkpoint``; with a
-policy, under its selective contexts (``policies.py``). For a module, prefer
+policy, under its selective contexts (``selective/policies.py``). For a module, prefer
 ``apply_checkpointing``: it also keeps BatchNorm running statistics from being
 updated twice by the recomputation, which a plain function cannot know about.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ckpt_plugin.engine.policies import SelectivePolicy, make_policy
+from ckpt_plugin.engine.selective.policies import SelectivePolicy, make_policy
 
 
 def checkpoint(

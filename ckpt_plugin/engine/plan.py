@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_plugin.engine.sequential import Node
+from ckpt_plugin.engine.segments.sequential import Node
 from ckpt_plugin.engine.treatment import Treatment
 
 

@@ -1,7 +1,7 @@
 """How a wrapped call runs: checkpointed or not, with which selective policy, offloaded or not.
 
 Eager and compiled calls get different ``context_fn``s. Eager: our own
-selective modes (``policies.py``), the BatchNorm fix (``norms.py``) and, when
+selective modes (``selective/policies.py``), the BatchNorm fix (``norms.py``) and, when
 asked for, the named recomputation check (``recompute_check.py``); a call that
 needs none of them gets no ``context_fn`` at all, exactly what a hand-written
 ``checkpoint(fn, x, use_reentrant=False)`` runs. Under ``torch.compile``, dynamo

@@ -4,7 +4,7 @@ Every mode ends here. A :class:`~ckpt_plugin.engine.plan.WrapPlan` (from
 ``config/plan.py`` for a config, from the planner for ``ckpt=auto``) lists
 groups of modules by qualified name, each with a ``Treatment``: one checkpoint
 per module (:class:`CheckpointedForward`, below) or segments over a chain
-(``chain.py``). :func:`install` checks the whole plan against the model, then
+(``segments/chain.py``). :func:`install` checks the whole plan against the model, then
 removes any earlier wrapping and installs, so an error leaves the model as it was.
 
 A selected module keeps its place, its class and its name: we set an
@@ -55,15 +55,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
-from ckpt_plugin.engine.chain import ATTR, ChainCheckpoint, chains_of
-from ckpt_plugin.engine.chain_check import check_chain
+from ckpt_plugin.engine.segments.chain import ATTR, ChainCheckpoint, chains_of
+from ckpt_plugin.engine.segments.chain_check import check_chain
 from ckpt_plugin.engine.forwards import TemporaryForwards, instance_forward, set_forward
 from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
 from ckpt_plugin.engine.op_groups import is_regrouped, regroup, regrouped, ungroup
-from ckpt_plugin.engine.sequential import schedule
+from ckpt_plugin.engine.segments.sequential import schedule
 from ckpt_plugin.engine.side_effects import SideEffects, remove_cache_hooks, turn_cache_off_above
 from ckpt_plugin.engine.treatment import Treatment
 

@@ -44,8 +44,8 @@ from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.engine.op_groups import is_regrouped, regroup, ungroup
 from ckpt_plugin.engine.plan import EachLayer, Group, Segments, WrapPlan
-from ckpt_plugin.engine.policies import make_policy
-from ckpt_plugin.engine.sequential import Node, Region
+from ckpt_plugin.engine.selective.policies import make_policy
+from ckpt_plugin.engine.segments.sequential import Node, Region
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.errors import ConfigError, Problem, closest_first
 from ckpt_plugin.planning.planner import Plan

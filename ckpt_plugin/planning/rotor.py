@@ -2,7 +2,7 @@
 
     costs = chain_costs(model, names, forward)     # profile.py: bytes and FLOPs per layer, on fake tensors
     best = solve(costs, limit)                      # the least recomputation whose predicted peak fits
-    best.schedule                                   # sequential.py's nodes: ints and (nested) Regions
+    best.schedule                                   # engine/segments/sequential.py's nodes: ints and (nested) Regions
 
 Rotor's dynamic programme (Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova,
 "Optimal checkpointing for heterogeneous chains: how to train deep neural
@@ -48,7 +48,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from ckpt_plugin.engine.sequential import Node, Region, regions
+from ckpt_plugin.engine.segments.sequential import Node, Region, regions
 from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.planning.nofit import NoFit
 from ckpt_plugin.units import format_bytes

@@ -21,7 +21,7 @@ from torch import nn
 
 from ckpt_plugin._compat import tree_leaves
 from ckpt_plugin.engine.forwards import TemporaryForwards
-from ckpt_plugin.engine.policies import SavedOutputModified, make_policy
+from ckpt_plugin.engine.selective.policies import SavedOutputModified, make_policy
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward
 from ckpt_plugin.measure.memory import side_effect_free
@@ -97,7 +97,7 @@ def step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[],
 
     A selective policy cannot run where an output it saves is written in place after the
     layer returned it (``policies.SavedOutputModified``: a parent's ``x.mul_(scale)`` on a
-    layer ending in a linear; writes inside the layer are copied before, ``policies.py``):
+    layer ending in a linear; writes inside the layer are copied before, ``engine/selective/policies.py``):
     the step names the first such layer, and every candidate of its class runs ``keep`` in
     a step again (one class runs one forward). Returns the recorder and the layers left out.
     ``around``: as for :func:`recorded_step` (the candidates are parts of layers).
