@@ -154,9 +154,11 @@ def _cli(tmp_path: Path, *overrides: str, returncode: int = 0) -> str:
 def test_console_script_help_and_errors(tmp_path: Path) -> None:
     out = _cli(tmp_path, "--help")
     assert out.startswith("ckpt-inspect: what a ckpt config does to a model, measured on one training step")
-    assert "ckpt-inspect --config-dir conf model=mine data=mine ckpt.layers=MyBlock" in out
+    assert ("ckpt-inspect model=yours model._target_=train.YourModule data=yours data._target_=train.YourData "
+            "ckpt.layers=Block") in out
     assert "ckpt: auto, deepspeed, full, names, none, offload, recursive, segments, selective" in out
-    assert "\ndata: images, text\nmodel: gpt, resnet\n" in out  # the example groups, added by hydra.searchpath
+    # the example groups (added by hydra.searchpath) and ``yours``: your own app's classes by import path
+    assert "\ndata: images, text, yours\nmodel: gpt, resnet, yours\n" in out
     assert "ckpt_schema" not in out and "schema" not in out.split("== Config (with your overrides) ==")[0]
     # a ckpt mistake: the message alone, exit code 2, before the model is built
     out = _cli(tmp_path, *TINY_GPT, "ckpt.every_n=0", returncode=2)
