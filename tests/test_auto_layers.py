@@ -313,7 +313,8 @@ def test_the_plan_and_the_report_carry_the_note() -> None:
     report = wrap_report(model, names, lambda: model(x), note=plan.note)
     lines = str(report).splitlines()
     assert lines[0] == GPT_NOTE
-    assert lines[1] == "Activation checkpointing wrapped 4 module(s) of GPT; saved activations of one forward:"
+    assert lines[1] == ("Activation checkpointing wrapped 4 module(s) of GPT (ckpt=full); kept for backward after one "
+                        "forward:")
     assert str(wrap_report(model, names, lambda: model(x))).splitlines()[0] == lines[1]  # no note: as before
 
 

@@ -55,23 +55,24 @@ def measure_step(model: nn.Module, loss: Callable[[], Any], names: list[str], *,
     allocated before). ``what`` names the measurement in :class:`NotFakeable`. ``loss()`` may return any output: its floating-point tensors are summed
     (``sample.scalar``), as ``ckpt=auto``'s profile does. No trace on RNG, buffers or gradients.
     """
-    kept: list[SavedBytes] = []
-
     def step() -> None:
-        outputs: list[Any] = []
-        kept.append(saved_bytes(model, lambda: outputs.append(loss()), names))
-        scalar(outputs.pop()).backward()
+        scalar(loss()).backward()
         model.zero_grad(set_to_none=True)
 
     device = next(model.parameters()).device
-    with on_fake_model(model, what) if fake else side_effect_free(model):
+    measuring = (lambda: on_fake_model(model, what)) if fake else (lambda: side_effect_free(model))
+    # Two runs: the kept bytes' hooks hand autograd detached aliases, and MemTracker would count the alias of a
+    # tensor it never saw made (the batch's fake copy) as an activation of the step.
+    with measuring():
+        kept = saved_bytes(model, loss, names)
+    with measuring():
         grads = {p: p.grad for p in model.parameters()}
         try:
             peaks = _cuda_peaks(step, device) if device.type == "cuda" and not fake else step_memory(step, model)
         finally:
             for p, g in grads.items():
                 p.grad = g
-    return StepMeasure(kept[0], peaks)
+    return StepMeasure(kept, peaks)
 
 
 def _cuda_peaks(step: Callable[[], None], device: torch.device) -> dict[str, int]:
