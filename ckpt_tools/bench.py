@@ -128,10 +128,12 @@ def measure_model(
         if cuda:
             rows[mode]["forward_kept_bytes"] = mem["act"]
         if run.planned is not None:  # auto, optimal: what the planner predicted, and what planning cost
+            choices = getattr(run.planned, "choices", None)  # options by their names, as the results file keeps them
             rows[mode] |= {"predicted_peak_bytes": run.planned.predicted_peak,
                            "predicted_time_ratio": getattr(run.planned, "predicted_time_ratio", None),
                            "profile_peak_bytes": run.planning_peak_bytes,
-                           "choices": getattr(run.planned, "choices", None) or describe(run.planned.schedule)}
+                           "choices": {n: str(o) for n, o in choices.items()} if choices
+                           else describe(run.planned.schedule)}
         bar.update(1)
     seconds = time_steps(name, runs, args.repeats, args.steps, args.min_seconds, bar)
     base = rows["none"]

@@ -32,7 +32,7 @@ from torch import nn
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
 from ckpt_plugin.apply.install import apply_checkpointing
-from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, Option
 from ckpt_plugin.planning.profile import treatment
 from ckpt_plugin.planning.timing import measure_layer_times
 from ckpt_tools.workloads import _gpt_batch, _resnet_batch
@@ -46,11 +46,11 @@ WORKLOADS: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], str]] = 
 }
 
 # plan -> (apply_checkpointing keys, the option of candidate i of n)
-PLANS: dict[str, tuple[dict[str, Any], Callable[[int], str]]] = {
-    "none": ({"mode": "none"}, lambda i: "keep"),
-    "full": ({"mode": "full"}, lambda i: "full"),
-    "selective": ({"mode": "selective", "policy": "matmuls"}, lambda i: "selective"),
-    "alternate": ({"mode": "full", "every_n": 2}, lambda i: "full" if (i + 1) % 2 == 0 else "keep"),
+PLANS: dict[str, tuple[dict[str, Any], Callable[[int], Option]]] = {
+    "none": ({"mode": "none"}, lambda i: KEEP),
+    "full": ({"mode": "full"}, lambda i: FULL),
+    "selective": ({"mode": "selective", "policy": "matmuls"}, lambda i: SELECTIVE),
+    "alternate": ({"mode": "full", "every_n": 2}, lambda i: FULL if (i + 1) % 2 == 0 else KEEP),
 }
 
 

@@ -115,7 +115,8 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
     out.mkdir(parents=True, exist_ok=True)
     if "error" not in result:
         result.update(installed=installed, wrapped=callback.wrapped if callback else [],
-                      choices=callback.planned.choices if callback and callback.planned else None,
+                      choices={n: str(o) for n, o in callback.planned.choices.items()}  # options by their names
+                      if callback and callback.planned else None,
                       plan=callback.state_dict().get("plan") if callback else None,
                       plan_path=str(callback.plan_path) if callback and callback.plan_path else None)
         torch.save(full_parameters(trainer, net), out / f"rank{rank}.pt")

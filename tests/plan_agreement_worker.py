@@ -103,12 +103,17 @@ def main(out: Path) -> None:
     trainer.fit(net, data())
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
-        "world_size": trainer.world_size, "own_choices": own.planned.choices, "wrapped": callback.wrapped,
-        "installed": installed, "choices": callback.planned.choices, "plan": callback.state_dict()["plan"],
+        "world_size": trainer.world_size, "own_choices": _named(own.planned.choices), "wrapped": callback.wrapped,
+        "installed": installed, "choices": _named(callback.planned.choices), "plan": callback.state_dict()["plan"],
         "plan_path": str(callback.plan_path) if callback.plan_path else None,
     }))
     torch.save({"batch": recorder.batch, "grads": recorder.grads}, out / f"rank{rank}.pt")
     leave(trainer.global_rank, getattr(trainer.strategy.launcher, "procs", []))
+
+
+def _named(choices: dict) -> dict[str, str]:
+    """A plan's choices as JSON holds them: each option by its name."""
+    return {name: str(option) for name, option in choices.items()}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ckpt_plugin.engine.wrap import CheckpointedForward, install
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memory
 from ckpt_plugin.planning.nofit import NoFit
+from ckpt_plugin.planning.options import FULL, INSIDE, KEEP, SELECTIVE, SELECTIVE_NB, Option
 from ckpt_plugin.planning.planner import Part, choose
 from ckpt_plugin.planning.profile import (
     OPTIONS,
@@ -137,17 +138,17 @@ def _random_layers(rng: random.Random, n: int) -> list[LayerProfile]:
     for i in range(n):
         if rng.random() < 0.3:  # anything at all, ties likely
             options = {o: Cost(rng.randint(0, 40), rng.randint(0, 5), rng.randint(0, 40)) for o in OPTIONS}
-            options["keep"] = Cost(options["keep"].kept_bytes, 0, options["keep"].running_bytes)
+            options[KEEP] = Cost(options[KEEP].kept_bytes, 0, options[KEEP].running_bytes)
         else:  # shaped like a real layer: less kept, more recompute and larger running bytes further right
             keep = rng.randint(40, 100)
             sel = rng.randint(10, keep)
             options = {
-                "keep": Cost(keep, 0, rng.randint(0, 20)),
-                "selective": Cost(sel, rng.choice([0, rng.randint(1, 60)]), rng.randint(10, keep)),
-                "full": Cost(rng.randint(1, sel), rng.randint(50, 120), rng.randint(keep // 2, keep + 40)),
+                KEEP: Cost(keep, 0, rng.randint(0, 20)),
+                SELECTIVE: Cost(sel, rng.choice([0, rng.randint(1, 60)]), rng.randint(10, keep)),
+                FULL: Cost(rng.randint(1, sel), rng.randint(50, 120), rng.randint(keep // 2, keep + 40)),
             }
         if rng.random() < 0.5:  # a measured step time per option, the planner's first criterion
-            options = {o: replace(c, seconds=0.0 if o == "keep" else rng.choice([0.5, 1.0, rng.random()]))
+            options = {o: replace(c, seconds=0.0 if o == KEEP else rng.choice([0.5, 1.0, rng.random()]))
                        for o, c in options.items()}
         layers.append(LayerProfile(f"layers.{i}", options))
     return layers
@@ -184,10 +185,10 @@ def test_budget_min_looks_past_a_plan_inside_a_layer_that_measures_more_than_pre
     """Inside a layer the peak model is not exact (``Profile.least``): the plan of the least predicted peak
     measures 200 B, the next one, per layer only (exact), holds 160 B; ``min`` takes the one that holds less,
     having measured the first once."""
-    part = (Part("a.x", "full", 0, 10),)
-    layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 160, 0.002),
-                                 "inside#1": Cost(20, 10, 120, 0.001, part)}),
-              LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
+    part = (Part("a.x", FULL, 0, 10),)
+    layers = [LayerProfile("a", {KEEP: Cost(100, 0, 150), FULL: Cost(10, 50, 160, 0.002),
+                                 INSIDE.with_parts(1): Cost(20, 10, 120, 0.001, part)}),
+              LayerProfile("b", {KEEP: Cost(100, 0, 100), FULL: Cost(10, 50, 100, 0.002)})]
     measured = []
 
     def measure(chosen) -> int:
@@ -197,24 +198,24 @@ def test_budget_min_looks_past_a_plan_inside_a_layer_that_measures_more_than_pre
         return 200  # every plan with a part in it
 
     first = Profile(layers, 0, 0, no_ckpt_peak=10**6).least()  # the model's own choice: predicted 120
-    assert first.choices == {"a": "inside", "a.x": "full", "b": "keep"} and first.predicted_peak == 120
+    assert first.choices == {"a": INSIDE, "a.x": FULL, "b": KEEP} and first.predicted_peak == 120
     chosen = Profile(layers, 0, 0, no_ckpt_peak=10**6, measure=measure).least()
     assert measured == [first.choices]
-    assert chosen.choices == {"a": "full", "b": "keep"}  # 160 B at a's run, b keeping 100 B after it: exact
+    assert chosen.choices == {"a": FULL, "b": KEEP}  # 160 B at a's run, b keeping 100 B after it: exact
     assert chosen.predicted_peak == chosen.budget_bytes == 160 and not chosen.peak_measured
 
 
 def test_a_budget_the_least_plan_meets_is_never_refused() -> None:
     """The cheapest plan for 170 B goes inside ``a`` (predicted 120 B) and measures 200 B: its estimate is charged
     and the plan that fits comes back (``a`` full, 160 B, exact). Below that least plan, the refusal names it."""
-    part = (Part("a.x", "full", 0, 10),)
-    layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 160, 0.002),
-                                 "inside#1": Cost(20, 10, 120, 0.001, part)}),
-              LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
+    part = (Part("a.x", FULL, 0, 10),)
+    layers = [LayerProfile("a", {KEEP: Cost(100, 0, 150), FULL: Cost(10, 50, 160, 0.002),
+                                 INSIDE.with_parts(1): Cost(20, 10, 120, 0.001, part)}),
+              LayerProfile("b", {KEEP: Cost(100, 0, 100), FULL: Cost(10, 50, 100, 0.002)})]
     profile_ = Profile(layers, 0, 0, no_ckpt_peak=10**6,  # 200 B: every plan with a part in it; others exact
                        measure=lambda chosen: 200 if len(chosen.choices) > 2 else chosen.predicted_peak)
     chosen = profile_.plan(170)
-    assert chosen.choices == {"a": "full", "b": "keep"} and chosen.predicted_peak == 160 and chosen.budget_bytes == 170
+    assert chosen.choices == {"a": FULL, "b": KEEP} and chosen.predicted_peak == 160 and chosen.budget_bytes == 170
     assert profile_.fit(150) == NoFit(150, 160, 10**6)
 
 
@@ -222,18 +223,18 @@ def test_a_plan_of_the_layers_own_options_that_measures_over_the_budget_is_not_t
     """The peak model is exact on the example models' layers, not on every model (Hugging Face's Funnel pools
     between its layers): the cheapest plan for 215 B, every layer kept, is predicted to hold 200 B and measures
     230 B; the plan that comes back is measured to fit."""
-    layers = [LayerProfile("a", {"keep": Cost(100, 0, 150), "full": Cost(10, 50, 120, 0.002)}),
-              LayerProfile("b", {"keep": Cost(100, 0, 100), "full": Cost(10, 50, 100, 0.002)})]
+    layers = [LayerProfile("a", {KEEP: Cost(100, 0, 150), FULL: Cost(10, 50, 120, 0.002)}),
+              LayerProfile("b", {KEEP: Cost(100, 0, 100), FULL: Cost(10, 50, 100, 0.002)})]
     measured = {}
 
     def measure(chosen) -> int:
-        peak = 230 if set(chosen.choices.values()) == {"keep"} else chosen.predicted_peak
+        peak = 230 if set(chosen.choices.values()) == {KEEP} else chosen.predicted_peak
         measured[tuple(chosen.choices.values())] = peak
         return peak
 
     chosen = Profile(layers, 0, 0, no_ckpt_peak=10**6, measure=measure).plan(215)
-    assert measured[("keep", "keep")] == 230
-    assert "full" in chosen.choices.values() and measured[tuple(chosen.choices.values())] == chosen.predicted_peak <= 215
+    assert measured[(KEEP, KEEP)] == 230
+    assert FULL in chosen.choices.values() and measured[tuple(chosen.choices.values())] == chosen.predicted_peak <= 215
 
 
 # ---------------------------------------------------------------------- the real GPT
@@ -299,8 +300,8 @@ def test_profile_measures_what_the_package_measures(gpt: dict) -> None:
         assert [layer.options[option].kept_bytes for layer in prof.layers] == [saved.by_owner[n] for n in BLOCKS]
         assert sum(layer.options[option].recompute_flops for layer in prof.layers) == extra
     # Full recomputation replays each block's forward; checkpointing keeps only its input.
-    assert [layer.options["full"].recompute_flops for layer in prof.layers] == block_flops
-    assert {layer.options["full"].kept_bytes for layer in prof.layers} == {batch[0].numel() * 64 * 8}
+    assert [layer.options[FULL].recompute_flops for layer in prof.layers] == block_flops
+    assert {layer.options[FULL].kept_bytes for layer in prof.layers} == {batch[0].numel() * 64 * 8}
 
 
 def test_plan_is_optimal_on_the_gpt_profile(gpt: dict) -> None:
@@ -348,16 +349,16 @@ def test_the_plan_reads_as_a_table(gpt: dict) -> None:
     p = gpt["profile"].plan(int(0.5 * gpt["act"]))
     text = str(p)
     for name, option in p.choices.items():
-        assert any(line.split()[:2] == [name, option] for line in text.splitlines())
+        assert any(line.split()[:2] == [name, str(option)] for line in text.splitlines())
     assert f"{p.recompute_flops:,}" in text and f"({p.budget_bytes} B)" in text and "(rest of model)" in text
 
 
-def _treatment(option: str) -> Treatment | None:
+def _treatment(option: Option) -> Treatment | None:
     return {
-        "keep": None,
-        "selective": Treatment(policy=make_policy("matmuls")),
-        "selective_nb": Treatment(policy=make_policy("matmuls_no_batch")),
-        "full": Treatment(checkpointing=True),
+        KEEP: None,
+        SELECTIVE: Treatment(policy=make_policy("matmuls")),
+        SELECTIVE_NB: Treatment(policy=make_policy("matmuls_no_batch")),
+        FULL: Treatment(checkpointing=True),
     }[option]
 
 
@@ -367,7 +368,7 @@ def test_the_plan_fits_the_budget_for_real(gpt: dict, fraction: float) -> None:
     model, prof = gpt["model"], gpt["profile"]
     budget = resolve(parse_budget(fraction), gpt["act"])
     p = plan(prof.layers, prof.rest_bytes, budget, rest_running=prof.rest_running)
-    assert set(p.choices.values()) != {"keep"}
+    assert set(p.choices.values()) != {KEEP}
     for name, option in p.choices.items():
         how = _treatment(option)
         if how is not None:
@@ -404,7 +405,7 @@ def test_the_resnet_plan_predicts_its_peak_within_5_percent(fraction: float) -> 
 
     prof = profile(model, names, lambda: model.loss(batch))
     # Convolutions are no matmul without a batch dimension: selective_nb would keep what full keeps; not offered.
-    assert all(set(layer.options) == {"keep", "selective", "full"} for layer in prof.layers)
+    assert all(set(layer.options) == {KEEP, SELECTIVE, FULL} for layer in prof.layers)
     budget = int(fraction * prof.no_ckpt_peak)
     p = prof.plan(budget)
     install(model, wrap_plan(p))
@@ -413,16 +414,16 @@ def test_the_resnet_plan_predicts_its_peak_within_5_percent(fraction: float) -> 
         act = step_memory(step, model)["act"]
     finally:
         remove_checkpointing(model)
-    assert set(p.choices.values()) != {"keep"}
+    assert set(p.choices.values()) != {KEEP}
     assert 0.99 * act <= p.predicted_peak <= min(budget, 1.05 * act), (p.predicted_peak, act, p.choices)
 
 
 def test_the_summary_says_how_options_were_timed_even_without_a_predicted_ratio() -> None:
     """On a loaded machine the step without checkpointing, predicted from timings, can come out <= 0:
     the summary still says the options were chosen by timings, and how they were taken."""
-    layers = [LayerProfile("layers.0", {"keep": Cost(40, 0, 10, seconds=0.0), "full": Cost(4, 9, 30, seconds=0.002)})]
+    layers = [LayerProfile("layers.0", {KEEP: Cost(40, 0, 10, seconds=0.0), FULL: Cost(4, 9, 30, seconds=0.002)})]
     timed = Profile(layers, 0, 0, no_ckpt_peak=100, none_seconds=0.0, timed_as="eager").plan(35)
-    assert timed.choices == {"layers.0": "full"} and timed.predicted_time_ratio is None
+    assert timed.choices == {"layers.0": FULL} and timed.predicted_time_ratio is None
     assert ("options chosen by added step time (+2.0 ms of recomputation, measured layer by layer, eager); the step "
             "without checkpointing could not be predicted from these timings, so no ratio") in str(timed)
     ratio = Profile(layers, 0, 0, no_ckpt_peak=100, none_seconds=0.01, timed_as="eager").plan(35)
@@ -494,7 +495,7 @@ def test_auto_leaves_out_a_selective_option_a_layer_cannot_run_under() -> None:
 
     model = _scaled()
     prof = profile(model, layers, lambda: model(X).pow(2).sum())
-    assert {layer.name: sorted(layer.options) for layer in prof.layers} == {
+    assert {layer.name: sorted(map(str, layer.options)) for layer in prof.layers} == {
         "blocks.0": ["full", "keep"], "blocks.1": ["full", "keep", "selective", "selective_nb"],
         "blocks.2": ["full", "keep"], "blocks.3": ["full", "keep", "selective", "selective_nb"]}
     plain = _grads(_scaled())
@@ -531,8 +532,8 @@ def test_parts_that_cannot_run_selective_leave_the_others_candidates_inside_thei
     model = pairs()
     prof = profile(model, ["0", "1"], lambda: model(X).pow(2).sum(), depth=1)
     for layer in prof.layers:  # options inside it, and selective of its own
-        assert any(o.startswith("inside#") for o in layer.options) and "selective" in layer.options, layer
-    assert {name: sorted(options) for name, options in prof.parts.items()} == {
+        assert any(o.kind == INSIDE for o in layer.options) and SELECTIVE in layer.options, layer
+    assert {name: sorted(map(str, options)) for name, options in prof.parts.items()} == {
         "0.a": ["full", "keep"], "0.b": ["full", "keep", "selective"],
         "1.a": ["full", "keep"], "1.b": ["full", "keep", "selective"]}
     plain = _grads(pairs())

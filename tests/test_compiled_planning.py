@@ -36,7 +36,7 @@ from ckpt_plugin import apply_checkpointing, remove_checkpointing
 from ckpt_plugin._compat import compiled_by_user
 from ckpt_plugin.apply.auto import timed_compiled
 from ckpt_plugin.config.schema import make_config
-from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, SELECTIVE_NB
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.planning.profile import profile, treatment, with_times
 from ckpt_plugin.measure.memory import saved_bytes
@@ -61,14 +61,14 @@ def _auto(**keys):
 @pytest.mark.parametrize(("keys", "user_compiled", "expected"), [
     ({}, False, {}),
     ({}, True, ALL),
-    ({"compile": "aot_eager"}, False, {"selective": "aot_eager", "selective_nb": "aot_eager", "full": "aot_eager"}),
+    ({"compile": "aot_eager"}, False, {SELECTIVE: "aot_eager", SELECTIVE_NB: "aot_eager", FULL: "aot_eager"}),
     ({"compile": True}, True, ALL),
     ({"timing": "eager"}, True, {}),
     ({"timing": "eager", "compile": True}, False, {}),
     ({"timing": "compiled"}, False, ALL),
     ({"timing": "aot_eager"}, False, dict.fromkeys(OPTIONS, "aot_eager")),
     ({"timing": "aot_eager", "compile": True}, False,
-     {"selective": "aot_eager", "selective_nb": "aot_eager", "full": "aot_eager"}),
+     {SELECTIVE: "aot_eager", SELECTIVE_NB: "aot_eager", FULL: "aot_eager"}),
 ], ids=["eager-step", "user-compiled", "regional", "regional-in-user-compiled", "forced-eager",
         "forced-eager-regional", "compiled", "named-backend", "named-backend-regional"])
 def test_the_options_are_timed_as_the_step_runs_them(keys, user_compiled, expected) -> None:
@@ -135,7 +135,7 @@ def test_only_the_options_asked_run_compiled() -> None:
     batch = gpt_batch(model)
     counting = CountingBackend()
     times = measure_layer_times(model, BLOCKS[:2], lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
-                                repeats=1, compiled={"selective": counting, "full": counting})
+                                repeats=1, compiled={SELECTIVE: counting, FULL: counting})
     assert counting.graphs == 2
     assert times.how == f"selective and full compiled ({counting}); keep and selective_nb eager"
     with pytest.raises(ValueError, match=r"compiled names 'al', not options: keep, selective, selective_nb, full"):
@@ -178,13 +178,13 @@ def test_compiled_options_keep_what_their_compiled_backward_saves() -> None:
     with torch.no_grad():
         model.loss(batch)
     handle.remove()
-    calls = {o: CompiledCalls("aot_eager", treatment(o) or treatment("full"), 2) for o in OPTIONS}
+    calls = {o: CompiledCalls("aot_eager", treatment(o) or treatment(FULL), 2) for o in OPTIONS}
     for option in OPTIONS:
         x = inputs[0].detach().requires_grad_(True).clone()
         holder = torch.nn.Module()  # the block's weights and its input: not counted as saved (the input comes after)
         holder.block = model.blocks[0]
         holder.register_buffer("x", x)
-        if option == "keep":
+        if option == KEEP:
             out = calls[option].uncheckpointed(model.blocks[0].forward, (x,), {}, "blocks.0")
         else:
             out = calls[option].checkpointed(model.blocks[0].forward, (x,), {}, "blocks.0")
@@ -196,7 +196,7 @@ def test_compiled_options_keep_what_their_compiled_backward_saves() -> None:
     # option's count can stand in for its eager one in the plan (profile.with_times).
     eager = profile(model, BLOCKS[:2], lambda: model.loss(batch))
     x = inputs[0].detach().requires_grad_(True).clone()
-    assert _kept_bytes(model.blocks[0].forward, model.blocks[0], (x,), {}) == eager.layers[0].options["keep"].kept_bytes
+    assert _kept_bytes(model.blocks[0].forward, model.blocks[0], (x,), {}) == eager.layers[0].options[KEEP].kept_bytes
 
 
 def test_the_plan_counts_the_bytes_the_compiled_options_keep() -> None:
@@ -204,17 +204,17 @@ def test_the_plan_counts_the_bytes_the_compiled_options_keep() -> None:
     model, batch = quick.model, quick.batch
     eager = profile(model, BLOCKS, lambda: model.loss(batch))
     times = measure_layer_times(model, BLOCKS, lambda: model.loss(batch), {o: treatment(o) for o in OPTIONS},
-                                repeats=1, compiled={"keep": "aot_eager", "full": "aot_eager"})
+                                repeats=1, compiled={KEEP: "aot_eager", FULL: "aot_eager"})
     planned = with_times(eager, times)
     shift = 0
     for before, after in zip(eager.layers, planned.layers, strict=True):
         compiled = times.kept_bytes[after.name]
-        assert after.options["selective"].kept_bytes == before.options["selective"].kept_bytes  # timed eagerly
-        for option in ("keep", "full"):
+        assert after.options[SELECTIVE].kept_bytes == before.options[SELECTIVE].kept_bytes  # timed eagerly
+        for option in (KEEP, FULL):
             delta = compiled[option] - before.options[option].kept_bytes
             assert after.options[option].kept_bytes == compiled[option]
             assert after.options[option].running_bytes == before.options[option].running_bytes + delta
-        shift += compiled["keep"] - before.options["keep"].kept_bytes
+        shift += compiled[KEEP] - before.options[KEEP].kept_bytes
     assert shift < 0  # compiled, a kept block keeps less: the partitioner recomputes cheap ops
     assert planned.no_ckpt_peak == eager.no_ckpt_peak + shift  # a fraction budget is of the step as it runs
     assert planned.timed_as == "keep and full compiled (aot_eager); selective and selective_nb eager"
@@ -226,16 +226,16 @@ def test_a_compiled_option_may_save_time_an_eager_one_never_does() -> None:
     model = small_gpt(dropout=0.0, n_layer=2)
     batch = gpt_batch(model)
     eager = profile(model, BLOCKS[:2], lambda: model.loss(batch))
-    seconds = {name: {"keep": 0.010, "selective": 0.008, "selective_nb": 0.009, "full": 0.012} for name in BLOCKS[:2]}
-    times = LayerTimes(seconds, full_step_seconds=0.1, compiled={"selective": "aot_eager"})
+    seconds = {name: {KEEP: 0.010, SELECTIVE: 0.008, SELECTIVE_NB: 0.009, FULL: 0.012} for name in BLOCKS[:2]}
+    times = LayerTimes(seconds, full_step_seconds=0.1, compiled={SELECTIVE: "aot_eager"})
     planned = with_times(eager, times)
     for layer in planned.layers:
-        assert layer.options["selective"].seconds == pytest.approx(-0.002)  # compiled: faster than keep, as measured
-        assert layer.options["selective_nb"].seconds == 0.0  # eager: no faster than keep
-        assert layer.options["full"].seconds == pytest.approx(0.002)
+        assert layer.options[SELECTIVE].seconds == pytest.approx(-0.002)  # compiled: faster than keep, as measured
+        assert layer.options[SELECTIVE_NB].seconds == 0.0  # eager: no faster than keep
+        assert layer.options[FULL].seconds == pytest.approx(0.002)
     # With the budget of the whole peak nothing is wrapped; below it the planner takes the faster option.
     chosen = planned.plan(int(0.9 * planned.no_ckpt_peak))
-    assert set(chosen.choices.values()) <= {"keep", "selective"} and "selective" in chosen.choices.values()
+    assert set(chosen.choices.values()) <= {KEEP, SELECTIVE} and SELECTIVE in chosen.choices.values()
 
 
 def test_the_rest_of_a_step_compiled_whole_is_measured_compiled() -> None:
@@ -249,18 +249,18 @@ def test_the_rest_of_a_step_compiled_whole_is_measured_compiled() -> None:
     backend = "aot_eager_decomp_partition"  # inductor's decompositions and partitioner, as for inductor
     options = {o: treatment(o) for o in OPTIONS}
     times = measure_layer_times(model, blocks, lambda: model.loss(batch), options, repeats=1,
-                                compiled={"keep": backend, "full": backend}, whole_step=True)
+                                compiled={KEEP: backend, FULL: backend}, whole_step=True)
     eager = profile(model, blocks, lambda: model.loss(batch))
     assert times.compiled_rest_bytes > eager.rest_bytes
     apply_checkpointing(model, layers="blocks.*", mode="full")
     loss = torch.compile(model.loss, backend=backend, fullgraph=True)
     whole = saved_bytes(model, lambda: loss(batch), owners=[]).total
     remove_checkpointing(model)
-    assert whole == times.compiled_rest_bytes + sum(times.kept_bytes[name]["full"] for name in blocks)
+    assert whole == times.compiled_rest_bytes + sum(times.kept_bytes[name][FULL] for name in blocks)
     planned = with_times(eager, times)
     assert planned.rest_bytes == times.compiled_rest_bytes
     assert planned.rest_running == eager.rest_running + times.compiled_rest_bytes - eager.rest_bytes
     # Without the whole step compiled (ckpt.compile: the rest runs eagerly) nothing of it is compiled.
     regional = measure_layer_times(model, blocks, lambda: model.loss(batch), options, repeats=1,
-                                   compiled={"full": backend}, whole_step=True)
+                                   compiled={FULL: backend}, whole_step=True)
     assert regional.compiled_rest_bytes is None

@@ -27,7 +27,8 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import step_memory
 from ckpt_plugin.planning.inside import Chain, with_inside
 from ckpt_plugin.planning.nofit import NoFit
-from ckpt_plugin.planning.planner import OPTIONS, Cost, LayerProfile, kind, plan, smallest_peak
+from ckpt_plugin.planning.options import FULL, INSIDE, KEEP, OPTIONS, SELECTIVE, Option
+from ckpt_plugin.planning.planner import Cost, LayerProfile, plan, smallest_peak
 from ckpt_plugin.planning.profile import INSIDE_DEPTH, ProfileCache, profile, wrap_plan
 from ckpt_plugin.planning.timing import measure_layer_times
 from ckpt_plugin.planning.profile import treatment
@@ -105,15 +106,15 @@ def test_an_inside_plan_predicts_its_peak_to_the_byte_and_trains_bitwise(gpt: di
     chosen = deep.plan(budget)  # measured with the plan on, on fake tensors
     modelled = plan(deep.layers, deep.rest_bytes, budget, rest_running=deep.rest_running)  # the peak model alone
     assert chosen.peak_measured and modelled.choices == chosen.choices
-    assert any(option == "inside" or name not in BLOCKS for name, option in chosen.choices.items())
+    assert any(option == INSIDE or name not in BLOCKS for name, option in chosen.choices.items())
     act, grads = _installed(gpt["model"], chosen, gpt["batch"])
     assert act == chosen.predicted_peak == modelled.predicted_peak <= budget
     assert all(torch.equal(grads[n], g) for n, g in gpt["grads"].items())
 
 
-def _alone(prof, index: int, option: str):
+def _alone(prof, index: int, option: Option):
     """The plan with layer ``index`` under ``option`` and every other layer kept."""
-    layers = [LayerProfile(layer.name, {option: layer.options[option]} if i == index else {"keep": layer.options["keep"]})
+    layers = [LayerProfile(layer.name, {option: layer.options[option]} if i == index else {KEEP: layer.options[KEEP]})
               for i, layer in enumerate(prof.layers)]
     return plan(layers, prof.rest_bytes, 2**62, rest_running=prof.rest_running)
 
@@ -121,7 +122,7 @@ def _alone(prof, index: int, option: str):
 def test_every_option_inside_a_gpt_block_predicts_its_peak_to_the_byte(gpt: dict) -> None:
     last = gpt["deep"].layers[-1]
     inside = [o for o in last.options if o not in OPTIONS]
-    assert {kind(o) for o in inside} == {"inside", "full"}  # unwrapped with parts, and nested
+    assert {o.kind for o in inside} == {INSIDE, FULL}  # unwrapped with parts, and nested
     for option in inside:
         chosen = _alone(gpt["deep"], len(BLOCKS) - 1, option)
         assert _installed(gpt["model"], chosen, gpt["batch"])[0] == chosen.predicted_peak, option
@@ -149,7 +150,7 @@ def test_the_plan_table_names_the_parts_under_their_layer(gpt: dict) -> None:
     for name, option in chosen.choices.items():
         depth = name.count(".") - 1  # blocks.0 at 0, blocks.0.attn at 1, blocks.0.attn.proj at 2
         assert f"{'  ' * depth}{name} " in "\n".join(lines) and any(
-            line.split()[:2] == [name, option] and line.startswith("  " * depth + name) for line in lines), name
+            line.split()[:2] == [name, str(option)] and line.startswith("  " * depth + name) for line in lines), name
     assert any(line.startswith("indented: parts checkpointed inside the layer above") for line in lines)
     assert f"({chosen.predicted_peak} B), measured with the plan on (fake tensors)" in str(chosen)
 
@@ -159,11 +160,11 @@ def test_fake_tensors_measure_the_parts_as_real_ones_do(gpt: dict) -> None:
     assert real == gpt["deep"]
 
 
-def _brute(chain: Chain, parts: list[dict[str, Cost]]):
+def _brute(chain: Chain, parts: list[dict[Option, Cost]]):
     """(kept, running, backward running, seconds, FLOPs) of every choice of the parts' options, written out;
     every part kept is the layer as it is, not a choice inside it."""
     for chosen in itertools.product(*(list(p.items()) for p in parts)):
-        if all(option == "keep" for option, _ in chosen):
+        if all(option == KEEP for option, _ in chosen):
             continue
         combo = [c for _, c in chosen]
         kept = peak = 0
@@ -184,21 +185,21 @@ def test_the_inner_programme_misses_no_choice_of_the_parts(seed: int) -> None:
     rng = random.Random(seed)
     k = rng.randint(1, 5)
     names = [f"block.p{j}" for j in range(k)]
-    leaves = {"block": {"keep": Cost(500, 0, 800), "selective": Cost(300, 0, 800, 0.5),
-                        "full": Cost(40, 900, 800, 2.0)}}
+    leaves = {"block": {KEEP: Cost(500, 0, 800), SELECTIVE: Cost(300, 0, 800, 0.5),
+                        FULL: Cost(40, 900, 800, 2.0)}}
     for name in names:
         keep = rng.randint(20, 200)
         leaves[name] = {o: Cost(kept, flops, run, seconds, backward_running=run + rng.randint(0, 30))
                         for o, kept, flops, run, seconds in [
-                            ("keep", keep, 0, keep + rng.randint(0, 100), 0.0),
-                            ("selective", rng.randint(5, keep), rng.randint(0, 50), rng.randint(10, keep + 80),
+                            (KEEP, keep, 0, keep + rng.randint(0, 100), 0.0),
+                            (SELECTIVE, rng.randint(5, keep), rng.randint(0, 50), rng.randint(10, keep + 80),
                              rng.choice([0.0, rng.random()])),
-                            ("full", rng.randint(5, 20), rng.randint(50, 200), rng.randint(keep // 2, keep + 150),
+                            (FULL, rng.randint(5, 20), rng.randint(50, 200), rng.randint(keep // 2, keep + 150),
                              rng.random())]}
     chain = Chain(tuple(names), rng.randint(0, 50), tuple(rng.randint(0, 120) for _ in range(k + 1)),
                   rng.randint(100, 300), held=rng.randint(0, 20))
     options = with_inside("block", leaves, {"block": chain})
-    full = leaves["block"]["full"]
+    full = leaves["block"][FULL]
     for kept, peak, late, seconds, flops in _brute(chain, [leaves[n] for n in names]):
         wanted = [(kept, peak, seconds, flops), (full.kept_bytes, max(chain.forward_running, late),
                                                  full.seconds + seconds, full.recompute_flops + flops)]
@@ -232,14 +233,14 @@ def test_apply_config_meets_a_budget_the_layers_alone_cannot(gpt: dict) -> None:
 
 def test_parts_are_timed_alone_and_stay_out_of_the_step_prediction(gpt: dict) -> None:
     model = gpt["model"]
-    parts = {"blocks.0.mlp": ["full"], "blocks.1.mlp": ["full"], "blocks.0.attn.proj": ["selective"]}
+    parts = {"blocks.0.mlp": [FULL], "blocks.1.mlp": [FULL], "blocks.0.attn.proj": [SELECTIVE]}
     times = measure_layer_times(model, BLOCKS, gpt["forward"], {o: treatment(o) for o in OPTIONS}, repeats=1,
                                 parts=parts)
     assert times.parts == tuple(parts)
-    assert times.seconds["blocks.0.mlp"].keys() == {"keep", "full"} and all(
+    assert times.seconds["blocks.0.mlp"].keys() == {KEEP, FULL} and all(
         s > 0 for s in times.seconds["blocks.0.attn.proj"].values())
     assert times.predicted_none_seconds == pytest.approx(
-        times.full_step_seconds - sum(times.added(b, "full") for b in BLOCKS))
+        times.full_step_seconds - sum(times.added(b, FULL) for b in BLOCKS))
     assert re.search(r"blocks\.0\.mlp .* - ", str(times))  # no selective timing for it
     with pytest.raises(ValueError, match=r"parts 'blocks.0': not modules of GPT apart from the layers"):
         measure_layer_times(model, BLOCKS, gpt["forward"], {o: treatment(o) for o in OPTIONS}, parts={"blocks.0": []})

@@ -23,10 +23,12 @@ from ckpt_plugin._compat import TorchDispatchMode, tree_leaves
 from ckpt_plugin.engine.selective.policies import make_policy
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.measure.memory import step_memory
+from ckpt_plugin.planning.options import FULL, KEEP, SELECTIVE
 from ckpt_plugin.planning.timing import LayerTimes, measure_layer_times
 
-# As the planner's options (profile.treatment), built from the engine so the test does not lean on the planner.
-OPTIONS = {"keep": None, "selective": Treatment(policy=make_policy("matmuls")), "full": Treatment()}
+# The planner's options, run as profile.treatment runs them, built from the engine so the test does not lean on
+# the planner.
+OPTIONS = {KEEP: None, SELECTIVE: Treatment(policy=make_policy("matmuls")), FULL: Treatment()}
 BLOCKS = [f"blocks.{i}" for i in range(4)]
 
 
@@ -44,21 +46,21 @@ def test_every_layer_and_option_is_timed_and_the_predictions_add_up() -> None:
     assert list(times.seconds) == BLOCKS
     assert all(list(row) == list(OPTIONS) and all(s > 0 for s in row.values()) for row in times.seconds.values())
     assert times.full_step_seconds > 0
-    assert times.added("blocks.0", "keep") == 0
+    assert times.added("blocks.0", KEEP) == 0
     assert times.predicted_seconds({}) == times.predicted_none_seconds
-    assert times.predicted_seconds(dict.fromkeys(BLOCKS, "full")) == pytest.approx(times.full_step_seconds)
-    mixed = {"blocks.1": "selective", "blocks.3": "full"}
-    expected = times.predicted_none_seconds + times.added("blocks.1", "selective") + times.added("blocks.3", "full")
+    assert times.predicted_seconds(dict.fromkeys(BLOCKS, FULL)) == pytest.approx(times.full_step_seconds)
+    mixed = {"blocks.1": SELECTIVE, "blocks.3": FULL}
+    expected = times.predicted_none_seconds + times.added("blocks.1", SELECTIVE) + times.added("blocks.3", FULL)
     assert times.predicted_seconds(mixed) == pytest.approx(expected)
     assert "blocks.3" in str(times)
     with pytest.raises(ValueError, match=r"no timings for 'blocks.9'; timed: blocks.0, blocks.1"):
-        times.predicted_seconds({"blocks.9": "full"})
+        times.predicted_seconds({"blocks.9": FULL})
 
 
 @pytest.mark.parametrize(("names", "options", "message"), [
     (["blocks.0", "nope"], OPTIONS, r"no module named 'nope' in GPT"),
     (["blocks.0", "blocks.0.attn"], OPTIONS, r"selected 'blocks.0.attn' inside 'blocks.0'"),
-    (BLOCKS, {"full": Treatment()}, r"options must map 'keep' to None and 'full' to a Treatment"),
+    (BLOCKS, {FULL: Treatment()}, r"options must map 'keep' to None and 'full' to a Treatment"),
 ])
 def test_bad_arguments_are_named(names, options, message) -> None:
     model = small_gpt()
@@ -136,10 +138,10 @@ def test_a_layer_called_twice_counts_twice_and_one_never_called_costs_nothing() 
     times = _measure(model, ["used", "unused"], lambda: model(x), cache=cache)
     assert times.seconds["unused"] == dict.fromkeys(OPTIONS, 0.0)
     # Alike inputs: timed once per option, counted for both calls.
-    assert sorted(option for (option, _sig) in cache) == sorted(OPTIONS)
+    assert sorted(option for (option, _sig) in cache) == sorted(map(str, OPTIONS))  # the cache names them
     assert all(sig[0][0] == "Sequential" for (_option, sig) in cache)
     per_call = {option: s for (option, _sig), s in cache.items()}
-    assert times.seconds["used"] == {option: 2 * s for option, s in per_call.items()}
+    assert {str(o): s for o, s in times.seconds["used"].items()} == {option: 2 * s for option, s in per_call.items()}
 
 
 def test_alike_layers_are_timed_once() -> None:

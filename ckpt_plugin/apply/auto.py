@@ -25,7 +25,7 @@ from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.planning.plan_file import load_plan
-from ckpt_plugin.planning.planner import OPTIONS
+from ckpt_plugin.planning.options import OPTIONS, Option
 from ckpt_plugin.planning.profile import INSIDE_DEPTH
 from ckpt_plugin.units import format_bytes
 
@@ -103,10 +103,10 @@ def _regions(chosen: Chosen, config: AutoConfig, budget: Budget, names: list[str
     return replace(plan, summary="\n".join(filter(None, [note, *lines])), note=note)
 
 
-WRAPPING = tuple(o for o in OPTIONS if o != "keep")  # the options that wrap a layer (ckpt.compile compiles them)
+WRAPPING = tuple(o for o in OPTIONS if o.checkpoints)  # the options that wrap a layer (ckpt.compile compiles them)
 
 
-def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool) -> dict[str, str]:
+def timed_compiled(config: AutoConfig, backend: str | None, user_compiled: bool) -> dict[Option, str]:
     """Which options ``ckpt=auto`` times compiled, through which backend (option -> backend).
 
     As the step will run them: ``ckpt.compile`` runs the layers the plan wraps

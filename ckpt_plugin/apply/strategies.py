@@ -33,6 +33,7 @@ from ckpt_plugin.engine.wrap import check_plan
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.planning.nofit import NoFit
+from ckpt_plugin.planning.options import Option
 from ckpt_plugin.planning.planner import Plan, Profile
 from ckpt_plugin.planning.profile import (
     INSIDE_DEPTH,
@@ -52,7 +53,7 @@ class Measuring:
     model: nn.Module
     names: list[str]
     forward: Callable[[], Any]
-    compiled: dict[str, str]  # the options timed compiled (apply.auto.timed_compiled)
+    compiled: dict[Option, str]  # the options timed compiled (apply.auto.timed_compiled)
     preserve_rng_state: bool
     _cache: ProfileCache = field(default_factory=ProfileCache)
     _profiles: dict[int, Profile] = field(default_factory=dict)

@@ -415,7 +415,7 @@ def _selected(plan: Any) -> tuple[list[str], dict[str, str]]:
     if not choices:
         return plan.names, {}
     layers = [n for n in choices if not any(n.startswith(f"{a}.") for a in choices)]  # parts are in their layer
-    return layers, {n: choices[n] for n in layers}
+    return layers, {n: str(choices[n]) for n in layers}  # the report names them
 
 
 def _changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -64,7 +64,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckpt_plugin.planning.frontier import pareto
-from ckpt_plugin.planning.planner import INSIDE, OPTIONS, Cost, Part, kind
+from ckpt_plugin.planning.options import FULL, INSIDE, KEEP, OPTIONS, Option
+from ckpt_plugin.planning.planner import Cost, Part
 
 
 @dataclass(frozen=True)
@@ -90,32 +91,32 @@ class Chain:
 _Entry = tuple[int, int, int, tuple[float, int, int], tuple[Part, ...]]
 
 
-def with_inside(name: str, leaves: Mapping[str, Mapping[str, Cost]], chains: Mapping[str, Chain]) -> dict[str, Cost]:
+def with_inside(name: str, leaves: Mapping[str, Mapping[Option, Cost]], chains: Mapping[str, Chain]) -> dict[Option, Cost]:
     """The options of ``name``: its measured ones (``leaves[name]``) and, if it has a chain, those inside it."""
     own = dict(leaves[name])
     chain = chains.get(name)
     if chain is None or not chain.parts:
         return own
     parts = [with_inside(part, leaves, chains) for part in chain.parts]
-    derived: dict[str, Cost] = {}
-    full = own.get("full")
+    derived: dict[Option, Cost] = {}
+    full = own.get(FULL)
     for i, (kept, peak, late, (seconds, flops, _), listed) in enumerate(_frontier(chain, parts), 1):
         if not listed:  # every part kept: the layer as it is
             continue
-        derived[f"{INSIDE}#{i}"] = Cost(chain.glue_kept + kept, flops, peak, seconds, listed, backward_running=late)
+        derived[INSIDE.with_parts(i)] = Cost(chain.glue_kept + kept, flops, peak, seconds, listed, backward_running=late)
         if full is not None:
-            derived[f"full+{INSIDE}#{i}"] = Cost(
+            derived[FULL.with_parts(i)] = Cost(
                 full.kept_bytes, full.recompute_flops + flops, max(chain.forward_running, late),
                 full.seconds + seconds, listed, backward_running=max(chain.forward_running + chain.held, late))
     return own | _undominated(derived, own)
 
 
-def _cost(option: str, cost: Cost) -> tuple[float, int, int]:
+def _cost(option: Option, cost: Cost) -> tuple[float, int, int]:
     """What an option of a part adds: seconds, FLOPs, and 1 for every part it wraps (ties go to fewer)."""
-    return cost.seconds, cost.recompute_flops, (kind(option) != "keep") + len(cost.parts)
+    return cost.seconds, cost.recompute_flops, (option != KEEP) + len(cost.parts)
 
 
-def _frontier(chain: Chain, parts: list[dict[str, Cost]]) -> list[_Entry]:
+def _frontier(chain: Chain, parts: list[dict[Option, Cost]]) -> list[_Entry]:
     """Every choice of options for the parts that no other beats in kept bytes, peaks and cost."""
     glue, held = chain.glue_running, chain.held
     front: list[_Entry] = [(0, glue[0], glue[0] + held, (0.0, 0, 0), ())]
@@ -124,7 +125,7 @@ def _frontier(chain: Chain, parts: list[dict[str, Cost]]) -> list[_Entry]:
         for kept, peak, late, (seconds, flops, wraps), listed in front:
             for option, c in options.items():
                 t, f, w = _cost(option, c)
-                part = (Part(name, kind(option), c.kept_bytes, c.recompute_flops), *c.parts) if w else ()
+                part = (Part(name, option.kind, c.kept_bytes, c.recompute_flops), *c.parts) if w else ()
                 now = kept + c.kept_bytes
                 in_backward = c.backward_running if c.backward_running is not None else c.running_bytes + held
                 grown.append((now, max(peak, kept + c.running_bytes, now + glue[j]),
@@ -139,17 +140,17 @@ def _pareto(entries: list[_Entry]) -> list[_Entry]:
     return pareto(sorted(entries, key=lambda e: e[:4]), lambda e: e[:4])
 
 
-def _undominated(derived: dict[str, Cost], own: Mapping[str, Cost]) -> dict[str, Cost]:
+def _undominated(derived: dict[Option, Cost], own: Mapping[Option, Cost]) -> dict[Option, Cost]:
     """The derived options no option of the layer beats (or equals) in kept bytes, running bytes and cost."""
 
-    def key(option: str, c: Cost) -> tuple:
+    def key(option: Option, c: Cost) -> tuple:
         return c.kept_bytes, c.running_bytes, c.seconds, c.recompute_flops, _rank(option)
 
     def beats(a: tuple, b: tuple) -> bool:
         return a[0] <= b[0] and a[1] <= b[1] and a[2:] <= b[2:]
 
     everything = [key(o, c) for o, c in own.items()]
-    out: dict[str, Cost] = {}
+    out: dict[Option, Cost] = {}
     for option, c in sorted(derived.items(), key=lambda item: key(*item)):
         k = key(option, c)
         if not any(beats(other, k) for other in everything):
@@ -158,8 +159,11 @@ def _undominated(derived: dict[str, Cost], own: Mapping[str, Cost]) -> dict[str,
     return out
 
 
-def _rank(option: str) -> int:
-    return OPTIONS.index(option) if option in OPTIONS else len(OPTIONS) + len(option)
+def _rank(option: Option) -> int:
+    # The layer's own options in OPTIONS' order, then those inside it: unwrapped (inside#k) before nested
+    # (full+inside#k), and among either a k of fewer digits first, as the length of their names has always
+    # ranked them (kept, so that plans stay as they are: of options equal in the rest, the earlier stands).
+    return OPTIONS.index(option) if option in OPTIONS else len(OPTIONS) + len(str(option))
 
 
 __all__ = ["Chain", "with_inside"]

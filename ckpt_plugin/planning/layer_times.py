@@ -1,6 +1,6 @@
 """What ``timing.py`` measured: each layer's seconds under each option, and the step times they predict.
 
-    times.predicted_seconds({"blocks.0": "full", "blocks.1": "selective"})  # the step, in seconds
+    times.predicted_seconds({"blocks.0": FULL, "blocks.1": SELECTIVE})  # the step, in seconds
 
 Only the step with every layer ``full`` is ever run whole; every other plan's
 step is predicted from it: ``full_step_seconds - sum(added(full)) + sum(added(chosen))``.
@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# (option, or "option compiled (backend)", layer kind and input signature) -> seconds of one call; see
+from ckpt_plugin.planning.options import FULL, KEEP, Option
+
+# (the option's name, or "option compiled (backend)", layer kind and input signature) -> seconds of one call; see
 # measure_layer_times' ``cache``.
 TimingCache = dict[tuple[str, tuple], float]
 
@@ -20,11 +22,11 @@ TimingCache = dict[tuple[str, tuple], float]
 class LayerTimes:
     """Measured seconds of each layer under each option, and of the step with every layer ``full``."""
 
-    seconds: dict[str, dict[str, float]]  # layer -> option -> its forward + backward (+ recompute), summed over calls
+    seconds: dict[str, dict[Option, float]]  # layer -> option -> its forward + backward (+ recompute), summed over calls
     full_step_seconds: float  # one real training step with every candidate under "full"
-    compiled: Mapping[str, str] = field(default_factory=dict)  # option -> the backend it was timed through
+    compiled: Mapping[Option, str] = field(default_factory=dict)  # option -> the backend it was timed through
     # layer -> compiled option -> bytes its compiled calls keep for backward (its inputs included), summed over calls
-    kept_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    kept_bytes: dict[str, dict[Option, int]] = field(default_factory=dict)
     parts: tuple[str, ...] = ()  # of ``seconds``, the parts inside layers (timed alone, not in the step with every layer full)
     # What the rest of the model keeps when the whole step runs compiled with every layer ``full`` (None: not
     # measured; see ``measure_layer_times``' ``whole_step``).
@@ -37,21 +39,21 @@ class LayerTimes:
             return "eager"
         by_backend: dict[str, list[str]] = {}
         for option, backend in self.compiled.items():
-            by_backend.setdefault(backend, []).append(option)
-        eager = [o for o in next(iter(self.seconds.values()), {}) if o not in self.compiled]
+            by_backend.setdefault(backend, []).append(str(option))
+        eager = [str(o) for o in next(iter(self.seconds.values()), {}) if o not in self.compiled]
         parts = [f"{_listed(options)} compiled ({backend})" for backend, options in by_backend.items()]
         return "; ".join(parts + ([f"{_listed(eager)} eager"] if eager else []))
 
-    def added(self, name: str, option: str) -> float:
+    def added(self, name: str, option: Option) -> float:
         """What ``option`` adds to the step over not checkpointing layer ``name`` (0 for ``keep``)."""
-        return self.seconds[name][option] - self.seconds[name]["keep"]
+        return self.seconds[name][option] - self.seconds[name][KEEP]
 
     @property
     def predicted_none_seconds(self) -> float:
         """The step without checkpointing, predicted (never run: it may not fit)."""
-        return self.full_step_seconds - sum(self.added(name, "full") for name in self.seconds if name not in self.parts)
+        return self.full_step_seconds - sum(self.added(name, FULL) for name in self.seconds if name not in self.parts)
 
-    def predicted_seconds(self, choices: Mapping[str, str]) -> float:
+    def predicted_seconds(self, choices: Mapping[str, Option]) -> float:
         """The step with layer ``name`` under ``choices[name]`` (``keep`` where not named)."""
         unknown = sorted(set(choices) - set(self.seconds))
         if unknown:
@@ -59,9 +61,9 @@ class LayerTimes:
         return self.predicted_none_seconds + sum(self.added(name, option) for name, option in choices.items())
 
     def __str__(self) -> str:
-        options = list(next(iter(self.seconds.values()), {"keep": 0.0}))
+        options = list(next(iter(self.seconds.values()), {KEEP: 0.0}))
         width = max([len("layer"), *(len(name) for name in self.seconds)])
-        lines = [f"{'layer':<{width}}  " + "  ".join(f"{o + ' ms':>12}" for o in options)]
+        lines = [f"{'layer':<{width}}  " + "  ".join(f"{f'{o} ms':>12}" for o in options)]
         lines += [f"{name:<{width}}  " + "  ".join(f"{1e3 * row[o]:>12.2f}" if o in row else f"{'-':>12}"
                                                  for o in options)
                   for name, row in self.seconds.items()]

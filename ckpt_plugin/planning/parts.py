@@ -21,7 +21,8 @@ from ckpt_plugin.engine.blocks import has_forward
 from ckpt_plugin.engine.op_groups import is_regrouped, regroup, top_groups, ungroup
 from ckpt_plugin.engine.op_groups import parts as op_group_parts
 from ckpt_plugin.planning.inside import Chain
-from ckpt_plugin.planning.planner import PART_OPTIONS, Cost
+from ckpt_plugin.planning.options import FULL, KEEP, PART_OPTIONS, Option
+from ckpt_plugin.planning.planner import Cost
 from ckpt_plugin.planning.recorder import Recorder
 from ckpt_plugin.planning.steps import recorded_step, step_where_it_runs
 
@@ -42,7 +43,7 @@ def parts_of(model: nn.Module, name: str) -> list[str]:
 
 
 def measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any], mode: Any, depth: int,
-                  forward_running: dict[str, int]) -> tuple[dict[str, dict[str, Cost]], dict[str, Chain]]:
+                  forward_running: dict[str, int]) -> tuple[dict[str, dict[Option, Cost]], dict[str, Chain]]:
     """Each level of parts below ``names``, as ``profile.py`` measures the layers: their options and chains.
 
     Three steps per level, every part of the level under one option, the levels
@@ -52,7 +53,7 @@ def measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any]
     timing). A level whose parts cannot be checkpointed (the step fails) ends the
     descent: the layers keep the options measured above it.
     """
-    parts: dict[str, dict[str, Cost]] = {}
+    parts: dict[str, dict[Option, Cost]] = {}
     chains: dict[str, Chain] = {}
     levels = [list(names)]
     for _ in range(depth):
@@ -61,11 +62,11 @@ def measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any]
             break
         around = [name for above in levels for name in above]
         try:
-            keep = recorded_step(model, level, forward, "keep", fake=mode, around=around)
+            keep = recorded_step(model, level, forward, KEEP, fake=mode, around=around)
             twice = {part for part in level if keep.calls[part] > 1}
             if twice:  # a part called twice (a shared drop-path) is no candidate: its calls are its layer's own ops
                 level = [part for part in level if part not in twice]
-                keep = recorded_step(model, level, forward, "keep", fake=mode, around=around) if level else None
+                keep = recorded_step(model, level, forward, KEEP, fake=mode, around=around) if level else None
             steps = _parts_steps(model, level, forward, mode, around, keep) if level else {}
         except Exception as err:  # noqa: BLE001 -- parts are an extra: the layers' own options stand
             log.debug("ckpt=auto: no candidates inside %s: checkpointing its parts fails (%s: %s)",
@@ -76,7 +77,7 @@ def measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any]
         recorders, flops = {o: r for o, (r, _, _) in steps.items()}, {o: f for o, (_, f, _) in steps.items()}
         lacking = {o: parts_out for o, (_, _, parts_out) in steps.items()}  # option -> parts that cannot run it
         kept = {o: r.analyse()[0] for o, r in recorders.items()}
-        keep = recorders["keep"]
+        keep = recorders[KEEP]
         held = max(r.late_alive for r in recorders.values())  # the loss: alive in backward, where a recomputation runs
         for name in levels[-1]:
             inner = keep.parts.get(name) or []
@@ -91,10 +92,10 @@ def measure_parts(model: nn.Module, names: list[str], forward: Callable[[], Any]
                                    backward_running=max(r.unit_forward.get((part, 0), 0) + held,
                                                         r.unit_recompute.get((part, 0), 0)))
                            for o, r in recorders.items()}
-                plain = options["keep"]
-                parts[part] = {o: c for o, c in options.items() if o == "keep" or part not in lacking[o] and (
+                plain = options[KEEP]
+                parts[part] = {o: c for o, c in options.items() if o == KEEP or part not in lacking[o] and (
                                c.kept_bytes < plain.kept_bytes or c.running_bytes < plain.running_bytes)}
-                forward_running[part] = recorders["full"].unit_forward.get((part, 0), 0)
+                forward_running[part] = recorders[FULL].unit_forward.get((part, 0), 0)
         levels.append([part for part in level if part in parts])
     return parts, chains
 
@@ -122,7 +123,7 @@ def ran_as_groups(model: nn.Module, names: list[str], forward: Callable[[], Any]
         return grouped
     modules = dict(model.named_modules())
     tops = {layer: [f"{layer}.{g}" for g in top_groups(modules[layer])] for layer in grouped}
-    recorder = recorded_step(model, [g for gs in tops.values() for g in gs], forward, "keep", fake=mode, around=names)
+    recorder = recorded_step(model, [g for gs in tops.values() for g in gs], forward, KEEP, fake=mode, around=names)
     unused = [layer for layer, gs in tops.items() if not all(recorder.calls[g] for g in gs)]
     for layer in unused:
         ungroup(modules[layer])
@@ -130,13 +131,13 @@ def ran_as_groups(model: nn.Module, names: list[str], forward: Callable[[], Any]
 
 
 def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any], mode: Any,
-                 around: list[str], keep: Recorder) -> dict[str, tuple[Recorder, dict[str, int], set[str]]]:
+                 around: list[str], keep: Recorder) -> dict[Option, tuple[Recorder, dict[str, int], set[str]]]:
     """Option -> (the memory step's recorder, recomputed FLOPs by part, the parts that cannot run under it) with
     every part of ``level`` under it where it runs; ``keep``'s memory step is given (it ran first, to find the
     parts called twice)."""
-    stepped = {"keep": (keep, set())} | {o: step_where_it_runs(model, level, forward, o, mode, around)
-                                         for o in PART_OPTIONS if o != "keep"}
-    return {o: (r, dict(r.flops) if o != "keep" else {}, lacking) for o, (r, lacking) in stepped.items()}
+    stepped = {KEEP: (keep, set())} | {o: step_where_it_runs(model, level, forward, o, mode, around)
+                                       for o in PART_OPTIONS if o != KEEP}
+    return {o: (r, dict(r.flops) if o != KEEP else {}, lacking) for o, (r, lacking) in stepped.items()}
 
 
 __all__ = ["measure_parts", "parts_of", "ran_as_groups", "regrouped_while"]

@@ -48,6 +48,7 @@ from ckpt_plugin.engine.selective.policies import make_policy
 from ckpt_plugin.engine.segments.sequential import Node, Region
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.errors import ConfigError, Problem, closest_first
+from ckpt_plugin.planning.options import parse
 from ckpt_plugin.planning.planner import Plan
 from ckpt_plugin.planning.rotor import Solution
 
@@ -120,8 +121,9 @@ def _planned_to_dict(planned: Any) -> dict[str, Any] | None:
     """The planner's record: ckpt=auto's ``Plan`` or rotor's ``Solution`` (segments=optimal, nested regions)."""
     if planned is None:
         return None
-    if isinstance(planned, Plan):
-        return {"type": "Plan", **plain(asdict(planned))}
+    if isinstance(planned, Plan):  # its options by their names, as plans print them
+        return {"type": "Plan", **plain(asdict(planned) | {"choices": {n: str(o) for n, o in planned.choices.items()},
+                                                           "keys": [str(o) for o in planned.keys]})}
     if isinstance(planned, Solution):
         return {"type": "Solution", "schedule": [_node(n) for n in planned.schedule],
                 "recompute_flops": planned.recompute_flops, "predicted_peak": planned.predicted_peak,
@@ -225,7 +227,8 @@ def _planned_from_dict(data: dict[str, Any] | None) -> Any:
     data = dict(data)
     kind = data.pop("type")
     if kind == "Plan":
-        return Plan(**{**data, "rows": [tuple(r) for r in data["rows"]], "keys": tuple(data["keys"])})
+        return Plan(**{**data, "choices": {n: parse(o) for n, o in data["choices"].items()},
+                       "rows": [tuple(r) for r in data["rows"]], "keys": tuple(parse(o) for o in data["keys"])})
     if kind == "Solution":
         return Solution(**{**data, "schedule": tuple(_region(n) for n in data["schedule"]),
                            "names": tuple(data["names"])})

@@ -39,32 +39,15 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.planning.nofit import NoFit
+from ckpt_plugin.planning.options import KEEP, OPTIONS, Option
 from ckpt_plugin.units import format_bytes
-
-# In order of intrusiveness (ties in cost go left): ``selective`` saves every matmul's output
-# (policy ``matmuls``), ``selective_nb`` only those without a batch dimension (``matmuls_no_batch``,
-# JAX's ``dots_with_no_batch_dims_saveable``): a transformer block's linear layers kept, its
-# attention recomputed. Between the two in what a block keeps; under torch.compile, where the
-# recomputed attention fuses into the backward, it meets a budget between them for less than
-# mixing ``selective`` with ``full`` (issue #22).
-OPTIONS = ("keep", "selective", "selective_nb", "full")
-POLICY_OF = {"selective": "matmuls", "selective_nb": "matmuls_no_batch"}  # each selective option's policy
-PART_OPTIONS = ("keep", "selective", "full")  # a layer's parts (inside.py): one memory step less per level
-INSIDE = "inside"  # a layer left unwrapped, parts of it checkpointed (``inside.py``)
-
-
-def kind(option: str) -> str:
-    """What an option does to the layer itself: ``inside.py``'s ``inside#2`` is ``inside``, ``full+inside#1`` ``full``."""
-    head = option.split("#", 1)[0]
-    return "full" if head == f"full+{INSIDE}" else head
-
 
 @dataclass(frozen=True)
 class Part:
     """A part of a layer (a child module, or a child's child) and what an inside option does to it."""
 
     name: str
-    option: str  # keep, selective, full or inside (never keep: parts left as they are are not listed)
+    option: Option  # its kind: selective, full or inside (never keep: parts left as they are are not listed)
     kept_bytes: int
     recompute_flops: int
 
@@ -94,7 +77,7 @@ class Cost:
 @dataclass(frozen=True)
 class LayerProfile:
     name: str
-    options: dict[str, Cost]  # an option of OPTIONS (and inside.py's options inside it) -> Cost
+    options: dict[Option, Cost]  # an option of OPTIONS (and inside.py's options inside it) -> Cost
 
 
 @dataclass(frozen=True)
@@ -198,14 +181,14 @@ class Profile:
         return replace(best, budget_bytes=best.predicted_peak)
 
 
-def _held_more(layers: list[LayerProfile], keys: tuple[str, ...], more: int,
+def _held_more(layers: list[LayerProfile], keys: tuple[Option, ...], more: int,
                inside_only: bool = True) -> list[LayerProfile]:
     """``layers`` with each option inside a layer that ``keys`` chose (one per layer) running on ``more`` bytes:
     what a measured plan held beyond its prediction, charged to the options the model is not exact for.
     ``inside_only=False`` (a plan of the layers' own options that held more: Funnel's layers, whose pooling the
     model does not see): every option it chose but ``keep``."""
-    def charged(option: str, cost: Cost) -> bool:
-        return bool(cost.parts) if inside_only else option != "keep"
+    def charged(option: Option, cost: Cost) -> bool:
+        return bool(cost.parts) if inside_only else option != KEEP
 
     return [LayerProfile(layer.name, {o: replace(c, running_bytes=c.running_bytes + more) if o == key and charged(o, c)
                                       else c for o, c in layer.options.items()})
@@ -221,18 +204,18 @@ class Plan:
     its option checkpoints inside it (qualified names, e.g. ``blocks.3.mlp``), with theirs.
     """
 
-    choices: dict[str, str]
+    choices: dict[str, Option]  # each as its layer's row names it: the option's kind (Option.kind)
     recompute_flops: int
     recompute_seconds: float  # step time the chosen options add (0 without a timing)
     predicted_peak: int
     budget_bytes: int
-    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer or part, option, kept bytes, recompute FLOPs
+    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer or part, option's name, kept bytes, recompute FLOPs
     rest_bytes: int = 0
     peak_at: str = REST  # the layer whose run (or recomputation) the predicted peak falls in
     none_seconds: float = 0.0  # the step without checkpointing, predicted (0: not timed)
     timed_as: str = ""  # how the options were timed (Profile.timed_as)
     peak_measured: bool = False  # predicted_peak is the plan's own, measured on fake tensors (Profile.plan)
-    keys: tuple[str, ...] = ()  # each layer's option as its profile names it (``inside#3``), in layer order
+    keys: tuple[Option, ...] = ()  # each layer's option as its profile has it (``inside#3``), in layer order
 
     @property
     def predicted_time_ratio(self) -> float | None:
@@ -281,13 +264,13 @@ def _fitted(chosen: Plan | NoFit) -> Plan:
     return chosen
 
 
-def _cost(option: str, cost: Cost) -> tuple[float, int, int]:
+def _cost(option: Option, cost: Cost) -> tuple[float, int, int]:
     # Step time first (what users pay); then FLOPs (FlopCounterMode misses elementwise
     # recompute), then the lighter option.
     return cost.seconds, cost.recompute_flops, OPTIONS.index(option) if option in OPTIONS else len(OPTIONS)
 
 
-def predicted_peak(profiles: list[LayerProfile], chosen: tuple[str, ...],
+def predicted_peak(profiles: list[LayerProfile], chosen: tuple[Option, ...],
                    rest_running: int = 0) -> tuple[int, str]:
     """The peak model above for one choice of options, and where the peak falls (a layer, or REST).
 
@@ -310,7 +293,7 @@ def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int):
     strictly descending. Keeping fewer bytes never makes a later option infeasible,
     so a dominated entry can never be completed more cheaply.
     """
-    frontier: list[tuple[int, tuple[float, int, int], tuple[str, ...]]] = [(0, (0.0, 0, 0), ())]
+    frontier: list[tuple[int, tuple[float, int, int], tuple[Option, ...]]] = [(0, (0.0, 0, 0), ())]
     for layer in profiles:
         grown = sorted(
             (kept + c.kept_bytes, (seconds + t, flops + f, level + n), chosen + (o,))
@@ -359,30 +342,31 @@ def choose(
         raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
                          "repeated blocks of the model, e.g. ckpt.layers=TransformerBlock")
     assert all(p.options for p in profiles), "every layer needs at least one option"
-    if reference_peak is not None and budget_bytes >= reference_peak and all("keep" in p.options for p in profiles):
+    if reference_peak is not None and budget_bytes >= reference_peak and all(KEEP in p.options for p in profiles):
         # The measured step without checkpointing fits, so keeping everything (no recompute) is the
         # plan, even where the peak model, an upper bound, says otherwise (it counts twice a tensor
         # that two layers keep).
-        best = ((0.0, 0, 0), tuple("keep" for _ in profiles))
+        best = ((0.0, 0, 0), tuple(KEEP for _ in profiles))
     else:
         best = _cheapest(profiles, budget_bytes, rest_running)
     if best is None:
         smallest = smallest_peak(profiles, rest_running)
         # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
-        most = tuple("keep" if "keep" in p.options else max(p.options, key=lambda o: p.options[o].kept_bytes)
+        most = tuple(KEEP if KEEP in p.options else max(p.options, key=lambda o: p.options[o].kept_bytes)
                      for p in profiles)
         reference = reference_peak or predicted_peak(profiles, most, rest_running)[0]
         return NoFit(budget_bytes, smallest, reference)
     cost, chosen = best
     peak, at = predicted_peak(profiles, chosen, rest_running)
-    if reference_peak is not None and set(chosen) == {"keep"}:
+    if reference_peak is not None and set(chosen) == {KEEP}:
         peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
-    rows = []
+    listed = []  # each layer under its option's kind, then the parts it checkpoints inside it
     for p, o in zip(profiles, chosen):
-        rows.append((p.name, kind(o), p.options[o].kept_bytes, p.options[o].recompute_flops))
-        rows += [(part.name, part.option, part.kept_bytes, part.recompute_flops) for part in p.options[o].parts]
+        listed.append((p.name, o.kind, p.options[o].kept_bytes, p.options[o].recompute_flops))
+        listed += [(part.name, part.option, part.kept_bytes, part.recompute_flops) for part in p.options[o].parts]
+    rows = [(name, str(option), kept, flops) for name, option, kept, flops in listed]
     return Plan(
-        choices={name: option for name, option, _, _ in rows},
+        choices={name: option for name, option, _, _ in listed},
         recompute_flops=cost[1],
         recompute_seconds=cost[0],
         predicted_peak=peak,

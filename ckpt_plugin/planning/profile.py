@@ -46,7 +46,8 @@ from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.planning.inside import with_inside
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
 from ckpt_plugin.planning.parts import measure_parts, ran_as_groups, regrouped_while
-from ckpt_plugin.planning.planner import INSIDE, OPTIONS, Cost, LayerProfile, Plan, Profile, plan
+from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, SELECTIVE_NB, Option
+from ckpt_plugin.planning.planner import Cost, LayerProfile, Plan, Profile, plan
 from ckpt_plugin.planning.recorder import Recorder
 from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.planning.steps import recorded_step, step_where_it_runs, treatment
@@ -66,12 +67,12 @@ class ProfileCache:
 
     timings: TimingCache = field(default_factory=dict)
     # (names, fake) -> (recorder by option, FLOPs by option and layer, options by layer it cannot run under)
-    steps: dict[tuple[tuple[str, ...], bool], tuple[dict[str, Recorder], dict[str, dict[str, int]],
-                                                    dict[str, set[str]]]] = field(default_factory=dict)
+    steps: dict[tuple[tuple[str, ...], bool], tuple[dict[Option, Recorder], dict[Option, dict[str, int]],
+                                                    dict[str, set[Option]]]] = field(default_factory=dict)
 
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
-            timed: bool = False, compiled: Mapping[str, str] | None = None, depth: int = 0,
+            timed: bool = False, compiled: Mapping[Option, str] | None = None, depth: int = 0,
             cache: ProfileCache | None = None) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
@@ -103,7 +104,7 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
 
 
 def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool, timed: bool,
-             compiled: Mapping[str, str] | None, depth: int, cache: ProfileCache,
+             compiled: Mapping[Option, str] | None, depth: int, cache: ProfileCache,
              stack: contextlib.ExitStack) -> Profile:
     """:func:`profile`, with the layers unwrapped. The layers are stepped as they are; for their parts
     (``depth``), those with op groups run regrouped (``op_groups.py``) until ``stack`` closes."""
@@ -112,24 +113,24 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     with silenced, fake_measurement(model, "ckpt=auto's profile") as mode:
         mode = mode if fake else None
         if (tuple(names), fake) not in cache.steps:
-            stepped = {"keep": recorded_step(model, names, forward, "keep", fake=mode)}
+            stepped = {KEEP: recorded_step(model, names, forward, KEEP, fake=mode)}
             # Without a batched matmul in the layers, selective_nb saves what selective saves (linear layers
             # only) or what full does (convolutions): no option of its own, so no step of its own either.
-            offered = [o for o in OPTIONS if o != "selective_nb" or stepped["keep"].batched]
-            lacking: dict[str, set[str]] = {}  # layer -> options it cannot run under
+            offered = [o for o in OPTIONS if o != SELECTIVE_NB or stepped[KEEP].batched]
+            lacking: dict[str, set[Option]] = {}  # layer -> options it cannot run under
             for option in offered[1:]:
                 stepped[option], without = step_where_it_runs(model, names, forward, option, mode)
                 for name in without:
                     lacking.setdefault(name, set()).add(option)
             cache.steps[tuple(names), fake] = (
-                stepped, {option: dict(r.flops) if option != "keep" else {} for option, r in stepped.items()}, lacking)
+                stepped, {option: dict(r.flops) if option != KEEP else {} for option, r in stepped.items()}, lacking)
         recorders, flops, lacking = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
-        forward_running = {name: recorders["full"].unit_forward.get((name, 0), 0) for name in names}
+        forward_running = {name: recorders[FULL].unit_forward.get((name, 0), 0) for name in names}
         grouped = ran_as_groups(model, names, forward, mode, stack.enter_context(regrouped_while(model, names))) \
             if depth else ()
         if grouped:  # a full layer with parts inside it runs regrouped: a traced forward may free sooner
-            full = recorded_step(model, names, forward, "full", fake=mode)
+            full = recorded_step(model, names, forward, FULL, fake=mode)
             forward_running |= {name: full.unit_forward.get((name, 0), 0) for name in grouped}
         parts, chains = measure_parts(model, names, forward, mode, depth, forward_running)
     layers = [
@@ -141,13 +142,13 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     ]
     layers = _useful_options(layers)
     # The planner's peak model follows the order the layers run in; layers that never ran go last.
-    ran = recorders["keep"].order
+    ran = recorders[KEEP].order
     layers.sort(key=lambda layer: ran.index(layer.name) if layer.name in ran else len(ran))
     measured = Profile(
         layers=layers,
         rest_bytes=max(kept.get(REST, 0) for kept, _, _ in memory.values()),
         rest_running=max(running.get(REST, 0) for _, running, _ in memory.values()),
-        no_ckpt_peak=memory["keep"][2],
+        no_ckpt_peak=memory[KEEP][2],
         parts=parts,
         chains=chains,
         # A plan's own step on fake tensors: eager only (a compiled step keeps what its partitioner chooses).
@@ -163,7 +164,7 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     with cache_warnings_silenced():
         times = measure_layer_times(model, names, forward, {o: treatment(o) for o in offered},
                                     compiled={o: b for o, b in (compiled or {}).items() if o in offered},
-                                    parts=timed_parts, cache=cache.timings, whole_step="keep" in (compiled or {}),
+                                    parts=timed_parts, cache=cache.timings, whole_step=KEEP in (compiled or {}),
                                     layer_options={layer.name: list(layer.options) for layer in measured.layers})
     return with_times(measured, times)
 
@@ -175,15 +176,15 @@ def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
 
     def between(layer: LayerProfile) -> bool:
         o = layer.options
-        if "selective_nb" in o and "selective" not in o:  # selective cannot run here: selective_nb is the one
+        if SELECTIVE_NB in o and SELECTIVE not in o:  # selective cannot run here: selective_nb is the one
             return True
-        return "selective_nb" in o and o["full"].kept_bytes < o["selective_nb"].kept_bytes < o["selective"].kept_bytes
+        return SELECTIVE_NB in o and o[FULL].kept_bytes < o[SELECTIVE_NB].kept_bytes < o[SELECTIVE].kept_bytes
 
-    if all("selective_nb" not in layer.options for layer in layers) or any(between(layer) for layer in layers):
+    if all(SELECTIVE_NB not in layer.options for layer in layers) or any(between(layer) for layer in layers):
         return layers
-    return [replace(layer, options={o: c for o, c in layer.options.items() if o != "selective_nb"}) for layer in layers]
+    return [replace(layer, options={o: c for o, c in layer.options.items() if o != SELECTIVE_NB}) for layer in layers]
 
-def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, str], fake: bool,
+def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, Option], fake: bool,
                grouped: tuple[str, ...] = ()) -> int:
     """The activation peak of one step with ``choices`` on (a plan's: nested names nest), measured as profiled."""
     with (cache_warnings_silenced(), checkpointing_disabled(model), regrouped_while(model, _regrouped(grouped, choices)),
@@ -195,7 +196,7 @@ def _with_inside(measured: Profile) -> Profile:
     """``measured`` with each layer's options inside it (``inside.py``), from its parts' options and chains."""
     if not measured.chains:
         return measured
-    leaves = {layer.name: {o: c for o, c in layer.options.items() if o in OPTIONS} for layer in measured.layers}
+    leaves = {layer.name: {o: c for o, c in layer.options.items() if o.parts is None} for layer in measured.layers}
     layers = [LayerProfile(layer.name, with_inside(layer.name, leaves | measured.parts, measured.chains))
               for layer in measured.layers]
     return replace(measured, layers=layers)
@@ -224,7 +225,7 @@ def with_times(measured: Profile, times: LayerTimes) -> Profile:
         compiled = times.kept_bytes.get(layer.name, {})
         options = {}
         for o, c in layer.options.items():
-            if o not in OPTIONS:  # an option inside the layer: made again below, from its parts' times
+            if o.parts is not None:  # an option inside the layer: made again below, from its parts' times
                 continue
             added = times.added(layer.name, o)
             c = replace(c, seconds=added if o in times.compiled else max(added, 0.0))
@@ -232,7 +233,7 @@ def with_times(measured: Profile, times: LayerTimes) -> Profile:
                 delta = compiled[o] - c.kept_bytes
                 c = replace(c, kept_bytes=compiled[o], running_bytes=max(c.running_bytes + delta, compiled[o]))
             options[o] = c
-        shift += compiled["keep"] - layer.options["keep"].kept_bytes if "keep" in compiled else 0
+        shift += compiled[KEEP] - layer.options[KEEP].kept_bytes if KEEP in compiled else 0
         layers.append(LayerProfile(layer.name, options))
     parts = {name: {o: replace(c, seconds=max(times.added(name, o), 0.0)) for o, c in options.items()}
              if name in times.seconds else options for name, options in measured.parts.items()}
@@ -252,13 +253,13 @@ def wrap_plan(chosen: Plan, preserve_rng_state: bool = True, regrouped: tuple[st
 
     The planner decides and never installs; the names keep ``chosen``'s order.
     """
-    how = {option: treatment(option, preserve_rng_state) for option in OPTIONS} | {INSIDE: None}
+    how = {option: treatment(option, preserve_rng_state) for option in set(chosen.choices.values())}  # one each
     groups = tuple(EachLayer((name,), how[option]) for name, option in chosen.choices.items() if how[option] is not None)
     return WrapPlan(groups, summary=f"ckpt=auto plan:\n{chosen}", planned=chosen,
                     regroup=_regrouped(regrouped, chosen.choices))
 
 
-def _regrouped(regrouped: tuple[str, ...], choices: Mapping[str, str]) -> tuple[str, ...]:
+def _regrouped(regrouped: tuple[str, ...], choices: Mapping[str, Option]) -> tuple[str, ...]:
     """The layers of ``regrouped`` that run as op groups under ``choices``: those with a part in it. The
     others run their own forward, as their own options were measured (a traced forward may free sooner)."""
     return tuple(layer for layer in regrouped if any(n.startswith(f"{layer}.") for n in choices))
@@ -278,8 +279,8 @@ def chain_costs(model: nn.Module, names: list[str], forward: Callable[[], Any], 
     with (cache_warnings_silenced(), checkpointing_disabled(model),
           fake_measurement(model, "ckpt.segments=optimal's profile") as mode):
         mode = mode if fake else None
-        plain = recorded_step(model, names, forward, "keep", fake=mode)
-        alone = counted = recorded_step(model, names, forward, "full", fake=mode)
+        plain = recorded_step(model, names, forward, KEEP, fake=mode)
+        alone = counted = recorded_step(model, names, forward, FULL, fake=mode)
     kept, running, peak = plain.analyse()
     inputs = alone.analyse()[0]  # checkpointed, a layer keeps its inputs only
     phase = alone.phase_running

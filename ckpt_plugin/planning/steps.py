@@ -25,21 +25,23 @@ from ckpt_plugin.engine.selective.policies import SavedOutputModified, make_poli
 from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import CheckpointedForward
 from ckpt_plugin.measure.memory import side_effect_free
-from ckpt_plugin.planning.planner import INSIDE, POLICY_OF
+from ckpt_plugin.planning.options import KEEP, Option
 from ckpt_plugin.planning.recorder import Recorder
 
 log = logging.getLogger("ckpt_plugin")
 
 
-def treatment(option: str, preserve_rng_state: bool = True) -> Treatment | None:
-    """How a layer runs under ``option``: None for ``keep`` (leave it unwrapped)."""
-    if option == "keep":
+def treatment(option: Option, preserve_rng_state: bool = True) -> Treatment | None:
+    """How a layer runs under ``option``: None where the layer itself is not checkpointed (``keep``; ``inside``,
+    whose parts are): leave it unwrapped."""
+    if not option.checkpoints:
         return None
-    policy = make_policy(POLICY_OF[option]) if option in POLICY_OF else None
+    policy = make_policy(option.policy) if option.policy is not None else None
     return Treatment(checkpointing=True, preserve_rng_state=preserve_rng_state, policy=policy)
 
 
-def recorded_step(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str | Mapping[str, str], *,
+def recorded_step(model: nn.Module, names: list[str], forward: Callable[[], Any],
+                  option: Option | Mapping[str, Option], *,
                   fake: Any = None, around: list[str] = ()) -> Recorder:
     """One training step with every candidate under ``option``, recorded; the model is left as it was.
 
@@ -54,8 +56,8 @@ def recorded_step(model: nn.Module, names: list[str], forward: Callable[[], Any]
     layers that ``names``, their parts, sit in; ``inside.py``).
     """
     modules = dict(model.named_modules())
-    chosen = dict.fromkeys(names, option) if isinstance(option, str) else option
-    how = {o: (treatment(o) if o != INSIDE else None) or Treatment(checkpointing=False) for o in set(chosen.values())}
+    chosen = dict.fromkeys(names, option) if isinstance(option, Option) else option
+    how = {o: treatment(o) or Treatment(checkpointing=False) for o in set(chosen.values())}
     recorder = Recorder(model, fake)
     recorder.counter = mode = recorder
     grads = {p: p.grad for p in model.parameters()}
@@ -91,7 +93,7 @@ def recorded_step(model: nn.Module, names: list[str], forward: Callable[[], Any]
     return recorder
 
 
-def step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[], Any], option: str,
+def step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[], Any], option: Option,
                        mode: Any, around: list[str] = ()) -> tuple[Recorder, set[str]]:
     """:func:`recorded_step` with every candidate under ``option`` that can run under it; the others, kept.
 
@@ -112,7 +114,7 @@ def step_where_it_runs(model: nn.Module, names: list[str], forward: Callable[[],
             if err.module not in chosen or chosen[err.module] != option:
                 raise
             cls = type(modules[err.module])
-            chosen |= {n: "keep" for n in names if type(modules[n]) is cls}
+            chosen |= {n: KEEP for n in names if type(modules[n]) is cls}
             log.debug("ckpt=auto: no %s for %s layers: %s", option, cls.__name__, err)
 
 

@@ -1,7 +1,7 @@
 """What each option of each candidate layer adds to the step time, measured one layer at a time.
 
     times = measure_layer_times(model, names, forward, {o: treatment(o) for o in OPTIONS})
-    times.predicted_seconds({"blocks.0": "full", "blocks.1": "selective"})  # the step, in seconds
+    times.predicted_seconds({"blocks.0": FULL, "blocks.1": SELECTIVE})  # the step, in seconds
 
 Users pay step time, not FLOPs: a selective recomputation of a GPT block
 recomputes few FLOPs but memory-bound ops (GELU, LayerNorm, dropout masks), and
@@ -66,6 +66,7 @@ from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled
 from ckpt_plugin.measure.memory import SavedCounter, side_effect_free
 from ckpt_plugin.planning.clock import fresh, input_signature, layer_kind, synchronized, time_calls
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
+from ckpt_plugin.planning.options import FULL, KEEP, Option
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -74,16 +75,16 @@ def measure_layer_times(
     model: nn.Module,
     names: list[str],
     forward: Callable[[], Any],
-    options: Mapping[str, Treatment | None],
+    options: Mapping[Option, Treatment | None],
     *,
     repeats: int = 3,
     step_repeats: int = 1,
     cache: TimingCache | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    compiled: Mapping[str, str] | None = None,
-    parts: Mapping[str, Collection[str]] | None = None,
+    compiled: Mapping[Option, str] | None = None,
+    parts: Mapping[str, Collection[Option]] | None = None,
     whole_step: bool = False,
-    layer_options: Mapping[str, Collection[str]] | None = None,
+    layer_options: Mapping[str, Collection[Option]] | None = None,
 ) -> LayerTimes:
     """Time every option of every candidate layer (qualified names) on real inputs, one layer at a time.
 
@@ -148,12 +149,13 @@ def measure_layer_times(
     """
     if repeats < 1 or step_repeats < 1:
         raise ValueError(f"repeats={repeats} and step_repeats={step_repeats} must be at least 1")
-    if "keep" not in options or options["keep"] is not None or options.get("full") is None:
-        raise ValueError(f"options must map 'keep' to None and 'full' to a Treatment; got {dict(options)}")
+    if KEEP not in options or options[KEEP] is not None or options.get(FULL) is None:
+        raise ValueError("options must map 'keep' to None and 'full' to a Treatment; got "
+                         f"{ {str(o): t for o, t in options.items()} }")
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
     modules = dict(model.named_modules())
-    parts = {name: [o for o in options if o == "keep" or o in timed] for name, timed in (parts or {}).items()}
+    parts = {name: [o for o in options if o == KEEP or o in timed] for name, timed in (parts or {}).items()}
     wrong = [name for name in parts if name not in modules or name in names]
     if wrong:
         raise ValueError(f"parts {', '.join(map(repr, wrong))}: not modules of {type(model).__name__} apart from the layers")
@@ -163,20 +165,21 @@ def measure_layer_times(
     compiled = dict(compiled or {})
     unknown = sorted(set(compiled) - set(options))
     if unknown:
-        raise ValueError(f"compiled names {', '.join(map(repr, unknown))}, not options: {', '.join(options)}")
+        raise ValueError(f"compiled names {', '.join(repr(str(o)) for o in unknown)}, not options: "
+                         f"{', '.join(map(str, options))}")
     runs = _Runs(options, compiled, len(names) + len(parts))
     now = synchronized(model, clock)
     grads = {p: p.grad for p in model.parameters()}
     try:
         with side_effect_free(model), checkpointing_disabled(model), _eager_unless_ours(compiled):
-            timed = {name: [o for o in options if o == "keep" or o in (layer_options or {}).get(name, options)]
+            timed = {name: [o for o in options if o == KEEP or o in (layer_options or {}).get(name, options)]
                      for name in names} | parts
             _time_layers(modules, timed, forward, runs, repeats, cache, seconds, kept, now)
             full_step = _time_full_step(modules, names, forward, runs, step_repeats, now)
             rest = None
-            if whole_step and "keep" in compiled:
-                total = _whole_step_bytes(modules, names, forward, options["full"], compiled["keep"])
-                rest = None if total is None else max(total - sum(kept[name]["full"] for name in names), 0)
+            if whole_step and KEEP in compiled:
+                total = _whole_step_bytes(modules, names, forward, options[FULL], compiled[KEEP])
+                rest = None if total is None else max(total - sum(kept[name][FULL] for name in names), 0)
     finally:
         for p, g in grads.items():
             p.grad = g
@@ -186,20 +189,20 @@ def measure_layer_times(
 class _Runs:
     """How a layer runs under each option when timed: eagerly, or through compiled calls of our own."""
 
-    def __init__(self, options: Mapping[str, Treatment | None], compiled: Mapping[str, str], layers: int) -> None:
+    def __init__(self, options: Mapping[Option, Treatment | None], compiled: Mapping[Option, str], layers: int) -> None:
         self.options, self.compiled = options, compiled
-        full = options["full"]
+        full = options[FULL]
         # One set of compiled calls per option, shared by every layer: alike layers share one graph.
         # ``keep`` compiled is the layer's call compiled without a checkpoint (CompiledCalls.uncheckpointed).
         self.calls = {o: CompiledCalls(backend, options[o] or full, layers) for o, backend in compiled.items()}
         self.kept: dict[tuple, int] = {}  # (option, signature) -> bytes a compiled call keeps (alike layers: once)
 
-    def key(self, option: str) -> str:
+    def key(self, option: Option) -> str:
         """The option as the timing cache names it: ``full``, or ``full compiled (inductor)``."""
         backend = self.compiled.get(option)
-        return option if backend is None else f"{option} compiled ({backend})"
+        return str(option) if backend is None else f"{option} compiled ({backend})"
 
-    def of(self, option: str, module: nn.Module, name: str) -> Callable[..., Any]:
+    def of(self, option: Option, module: nn.Module, name: str) -> Callable[..., Any]:
         treatment, calls = self.options[option], self.calls.get(option)
         if calls is None:
             return module.forward if treatment is None else CheckpointedForward(module, treatment, name)
@@ -224,9 +227,9 @@ def _ours(run: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[str]], forward: Callable[[], Any],
-                 runs: _Runs, repeats: int, cache: TimingCache, seconds: dict[str, dict[str, float]],
-                 kept: dict[str, dict[str, int]], now: Callable[[], float]) -> None:
+def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[Option]], forward: Callable[[], Any],
+                 runs: _Runs, repeats: int, cache: TimingCache, seconds: dict[str, dict[Option, float]],
+                 kept: dict[str, dict[Option, int]], now: Callable[[], float]) -> None:
     """Step 1: a no-grad forward whose pre-hooks time each candidate (layer or part) on its real inputs."""
     busy = []  # while a layer is timed, the hooks of its parts do nothing
 
@@ -287,7 +290,7 @@ def _time_full_step(modules: dict[str, nn.Module], names: list[str], forward: Ca
     """Step 2: median seconds of ``repeats`` real steps (forward and backward) with every candidate ``full``."""
     params = list(modules[""].parameters())
     samples = []
-    with TemporaryForwards([(modules[name], runs.of("full", modules[name], name)) for name in names]):
+    with TemporaryForwards([(modules[name], runs.of(FULL, modules[name], name)) for name in names]):
         for step in range(repeats):
             for p in params:
                 p.grad = None
