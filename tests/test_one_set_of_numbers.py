@@ -112,7 +112,7 @@ def test_the_report_states_the_plans_peak_and_the_budgets_reference(tmp_path: Pa
     assert planned.budget_bytes == int(0.5 * without)  # budget=0.5 is half of the report's "without" peak
     assert report.planned == (planned.predicted_peak, planned.budget_bytes)
     assert report.rows == [f"blocks.{i}" for i in range(4)]  # kept layers too: REST is outside all four
-    assert report.options == planned.choices
+    assert report.options == {name: str(option) for name, option in planned.choices.items()}
     assert f"({with_ckpt / without:.2f} of without)" in str(report)
 
 
@@ -166,7 +166,7 @@ def test_the_wrapped_line_names_the_mode(tmp_path: Path) -> None:
         assert str(report).splitlines()[0] == (f"Activation checkpointing wrapped 4 module(s) of Net (ckpt={mode}); "
                                                "kept for backward after one forward:")
     callback = fit(Net(), tmp_path, mode="auto", layers="Block", budget=0.5)
-    counts = Counter(callback.planned.choices.values())
+    counts = Counter(str(option) for option in callback.planned.choices.values())
     line = str(callback.report).splitlines()[0]
     shown = dict((o, int(n)) for n, o in re.findall(r"(\d+) (\w+)", line.split("ckpt=auto: ")[1].split(")")[0]))
     assert shown == counts and sum(shown.values()) == 4
