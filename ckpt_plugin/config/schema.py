@@ -29,13 +29,12 @@ from typing import TYPE_CHECKING, Any
 from ckpt_plugin.config.budget import Budget, parse_budget
 from ckpt_plugin.config.deepspeed import settings_of
 from ckpt_plugin.config.keys import HELP
-from ckpt_plugin.config.values import compile_problems, timing_problems
+from ckpt_plugin.config.values import compile_problems, every_n_problems, read_layers, timing_problems
 from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
 
 if TYPE_CHECKING:  # config/policy.py loads torch: the schema imports it only to check a selective config
     from ckpt_plugin.config.policy import PolicySpec
 
-MISSING = "???"  # OmegaConf's MISSING value, without importing OmegaConf (the schema loads no framework)
 
 
 def _quote_all(items: Iterable[str]) -> str:
@@ -68,63 +67,13 @@ class LayerSelection:
         """``ckpt.policy`` with its names, as read when this ``ckpt=selective`` config was built."""
         return self._policy
 
-    def _problems(self) -> list[Problem]:
-        problems: list[Problem] = []
-        layers = self.layers
-        if layers is None or layers == MISSING:
-            problems.append(Problem(
-                "ckpt.layers",
-                "ckpt.layers is required: name the modules to checkpoint, e.g. "
-                "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'], or let "
-                "ckpt.layers=auto choose them (or choose ckpt=none to switch checkpointing off)",
-            ))
-        else:
-            if isinstance(layers, str):
-                layers = [layers]
-            if not isinstance(layers, Iterable) or isinstance(layers, (bytes, dict)):
-                problems.append(Problem(
-                    "ckpt.layers",
-                    f"ckpt.layers={layers!r} ({type(layers).__name__}) must be a string or a list "
-                    "of strings: class names, dotted class paths, module-name globs or 're:' regexes",
-                ))
-            else:
-                layers = list(layers)
-                bad = [x for x in layers if not isinstance(x, str) or not x.strip()]
-                if bad:
-                    problems.append(Problem(
-                        "ckpt.layers",
-                        f"ckpt.layers: every entry must be a non-empty string, got {_quote_all(bad)}"
-                        if all(isinstance(b, str) for b in bad)
-                        else f"ckpt.layers: every entry must be a string, got {bad!r}",
-                    ))
-                elif not layers:
-                    problems.append(Problem(
-                        "ckpt.layers",
-                        "ckpt.layers=[] names no layers: give at least one class name or pattern, "
-                        "or choose ckpt=none to switch checkpointing off",
-                    ))
-                else:
-                    self.layers = tuple(x.strip() for x in layers)
-                    if "auto" in self.layers and len(self.layers) > 1:
-                        others = ", ".join(repr(x) for x in self.layers if x != "auto")
-                        problems.append(Problem(
-                            "ckpt.layers",
-                            "ckpt.layers: 'auto' chooses every layer itself and cannot be combined with "
-                            f"other entries ({others})",
-                            "give ckpt.layers=auto alone, or name every layer",
-                        ))
-        if isinstance(self.every_n, bool) or not isinstance(self.every_n, int):
-            problems.append(Problem(
-                "ckpt.every_n",
-                f"ckpt.every_n={self.every_n!r} ({type(self.every_n).__name__}) must be an integer >= 1",
-            ))
-        elif self.every_n < 1:
-            problems.append(Problem(
-                "ckpt.every_n",
-                f"ckpt.every_n={self.every_n} must be >= 1: 1 wraps every matched layer, "
-                "2 every second one, ...",
-            ))
-        return problems
+    def _read_selection(self) -> list[Problem]:
+        """Read ``layers`` into a tuple of stripped entries, the form every later step uses; the problems of
+        ``layers`` and ``every_n``."""
+        layers, problems = read_layers(self.layers)
+        if layers is not None:
+            self.layers = layers
+        return problems + every_n_problems(self.every_n)
 
 
 def _check_bool(key: str, value: Any) -> list[Problem]:
@@ -137,7 +86,7 @@ def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Proble
     """What full and selective check alike: the layers, preserve_rng_state, check_recompute, segments, offload."""
     from ckpt_plugin.config.values import segment_problems
 
-    problems = config._problems() + _check_bool("preserve_rng_state", config.preserve_rng_state)
+    problems = config._read_selection() + _check_bool("preserve_rng_state", config.preserve_rng_state)
     problems += _check_bool("check_recompute", config.check_recompute)
     if config.check_recompute is True and config.segments is not None:
         problems.append(Problem(
@@ -149,29 +98,32 @@ def _checkpointing_problems(config: FullConfig | SelectiveConfig) -> list[Proble
     return problems + segment_problems(config.segments) + _check_bool("offload", config.offload)
 
 
-def _budget_problems(config: FullConfig) -> list[Problem]:
+def _read_budget(budget: Any) -> tuple[Budget | None, list[Problem]]:
+    """``ckpt.budget`` read (``config/budget.py``), and its problems."""
+    try:
+        return parse_budget(budget), []
+    except ConfigError as err:
+        return None, err.problems
+
+
+def _read_optimal_budget(segments: Any, budget: Any) -> tuple[Budget | None, list[Problem]]:
     """``ckpt.budget`` on ckpt=full: what ``ckpt.segments=optimal`` plans for, required there and only there."""
-    segments, budget = config.segments, config.budget
     if segments != "optimal":
         if budget is None:
-            return []
+            return None, []
         shown = "null" if segments is None else segments
-        return [Problem(
+        return None, [Problem(
             "ckpt.budget", f"ckpt.budget={budget!r} is only read with ckpt.segments=optimal, not ckpt.segments={shown}",
             "set ckpt.segments=optimal (the least recomputation that fits the budget), or drop ckpt.budget "
             "(ckpt=auto takes a budget too: it chooses per layer)",
         )]
     if budget is None:
-        return [Problem(
+        return None, [Problem(
             "ckpt.budget", "ckpt.segments=optimal needs ckpt.budget: a fraction of the activation peak without "
             "checkpointing (0.3) or a size (2GiB)",
             "or choose ckpt.segments=sqrt or recursive, which need no budget",
         )]
-    try:
-        config._budget = parse_budget(budget)
-    except ConfigError as err:
-        return err.problems
-    return []
+    return _read_budget(budget)
 
 
 @dataclass(kw_only=True)
@@ -195,14 +147,16 @@ class FullConfig(_Recomputing):
     deepspeed: Any = None
 
     def __post_init__(self) -> None:
-        raise_problems(_checkpointing_problems(self) + _budget_problems(self) + self._deepspeed_problems()
-                       + compile_problems(self))
+        self._budget, budget_problems = _read_optimal_budget(self.segments, self.budget)
+        try:
+            self.deepspeed = settings_of(self.deepspeed)  # read into DeepSpeedCheckpointing (or None)
+            deepspeed_problems = self._deepspeed_problems()
+        except ConfigError as err:
+            deepspeed_problems = err.problems
+        raise_problems(_checkpointing_problems(self) + budget_problems + deepspeed_problems + compile_problems(self))
 
     def _deepspeed_problems(self) -> list[Problem]:
-        try:
-            self.deepspeed = settings_of(self.deepspeed)
-        except ConfigError as err:
-            return err.problems
+        """What ``ckpt.deepspeed`` (already read) cannot be combined with."""
         if self.deepspeed is None:
             return []
         problems = self.deepspeed.problems()
@@ -259,7 +213,7 @@ class OffloadConfig(LayerSelection):
     compile: Any = False
 
     def __post_init__(self) -> None:
-        raise_problems(self._problems() + compile_problems(self))
+        raise_problems(self._read_selection() + compile_problems(self))
 
 
 @dataclass(kw_only=True)
@@ -275,13 +229,11 @@ class AutoConfig(LayerSelection):
 
     def __post_init__(self) -> None:
         given = self.plan is not None  # the file decides what is wrapped: layers and budget may be left out
-        problems = [p for p in self._problems() if not (given and self.layers is None and p.key == "ckpt.layers")]
+        problems = [p for p in self._read_selection() if not (given and self.layers is None and p.key == "ckpt.layers")]
         problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)
         if not (given and self.budget is None):
-            try:
-                self._budget = parse_budget(self.budget)
-            except ConfigError as err:
-                problems += err.problems
+            self._budget, more = _read_budget(self.budget)
+            problems += more
         raise_problems(problems + compile_problems(self) + timing_problems(self.timing))
 
 

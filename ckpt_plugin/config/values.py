@@ -1,14 +1,16 @@
 """The values of ``ckpt`` keys that are judged on their own, before any model: a segments value and a
-torch.compile backend's name. The engine reads them the same way (``engine/sequential.py``,
+torch.compile backend's name. The engine reads them the same way (``engine/segments/sequential.py``,
 ``engine/regional.py``), so they are written here, below it, once."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ckpt_plugin.errors import Problem, closest_first
 
 SEGMENT_WORDS = ("sqrt", "recursive", "optimal")
+MISSING = "???"  # OmegaConf's MISSING value, without importing OmegaConf (the schema loads no framework)
 DEFAULT_BACKEND = "inductor"  # what ckpt.compile=true means: torch.compile's own default
 
 
@@ -119,5 +121,63 @@ def timing_problems(value: Any) -> list[Problem]:
     )]
 
 
-__all__ = ["DEFAULT_BACKEND", "SEGMENT_WORDS", "TIMINGS", "backend_of", "backends", "compile_problems", "segment_problems",
+def read_layers(value: Any) -> tuple[tuple[str, ...] | None, list[Problem]]:
+    """``ckpt.layers`` read: a tuple of stripped entries (None where it cannot be read), and its problems."""
+    if value is None or value == MISSING:
+        return None, [Problem(
+            "ckpt.layers",
+            "ckpt.layers is required: name the modules to checkpoint, e.g. "
+            "ckpt.layers=TransformerBlock or ckpt.layers=[Block,'blocks.*'], or let "
+            "ckpt.layers=auto choose them (or choose ckpt=none to switch checkpointing off)",
+        )]
+    layers = [value] if isinstance(value, str) else value
+    if not isinstance(layers, Iterable) or isinstance(layers, (bytes, dict)):
+        return None, [Problem(
+            "ckpt.layers",
+            f"ckpt.layers={layers!r} ({type(layers).__name__}) must be a string or a list "
+            "of strings: class names, dotted class paths, module-name globs or 're:' regexes",
+        )]
+    layers = list(layers)
+    bad = [x for x in layers if not isinstance(x, str) or not x.strip()]
+    if bad:
+        return None, [Problem(
+            "ckpt.layers",
+            f"ckpt.layers: every entry must be a non-empty string, got {', '.join(repr(b) for b in bad)}"
+            if all(isinstance(b, str) for b in bad)
+            else f"ckpt.layers: every entry must be a string, got {bad!r}",
+        )]
+    if not layers:
+        return None, [Problem(
+            "ckpt.layers",
+            "ckpt.layers=[] names no layers: give at least one class name or pattern, "
+            "or choose ckpt=none to switch checkpointing off",
+        )]
+    read = tuple(x.strip() for x in layers)
+    if "auto" in read and len(read) > 1:
+        others = ", ".join(repr(x) for x in read if x != "auto")
+        return read, [Problem(
+            "ckpt.layers",
+            "ckpt.layers: 'auto' chooses every layer itself and cannot be combined with "
+            f"other entries ({others})",
+            "give ckpt.layers=auto alone, or name every layer",
+        )]
+    return read, []
+
+
+def every_n_problems(every_n: Any) -> list[Problem]:
+    """``ckpt.every_n``: an integer >= 1."""
+    if isinstance(every_n, bool) or not isinstance(every_n, int):
+        return [Problem(
+            "ckpt.every_n",
+            f"ckpt.every_n={every_n!r} ({type(every_n).__name__}) must be an integer >= 1",
+        )]
+    if every_n < 1:
+        return [Problem(
+            "ckpt.every_n",
+            f"ckpt.every_n={every_n} must be >= 1: 1 wraps every matched layer, 2 every second one, ...",
+        )]
+    return []
+
+
+__all__ = ["every_n_problems", "read_layers", "DEFAULT_BACKEND", "SEGMENT_WORDS", "TIMINGS", "backend_of", "backends", "compile_problems", "segment_problems",
            "timing_problems"]
