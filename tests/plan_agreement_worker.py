@@ -32,10 +32,12 @@ from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import CheckpointedForward
 from ckpt_plugin.planning import profile as profile_module
+from ckpt_plugin.planning.options import FULL, KEEP
 
 SIZE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0, batch_size=2)
 KEYS = dict(mode="auto", layers="TransformerBlock", budget=0.5)
-# What each option "costs" on each rank (seconds of one call): the ranks disagree on full against selective.
+# What each option "costs" on each rank (seconds of one call, by the option's name): the ranks disagree on full
+# against selective.
 SECONDS = {0: {"keep": 1.0, "selective": 3.0, "selective_nb": 3.0, "full": 1.5},
            1: {"keep": 1.0, "selective": 1.1, "selective_nb": 1.1, "full": 5.0}}
 _measure = profile_module.measure_layer_times
@@ -45,8 +47,8 @@ def disagreeing_timings(rank: int):
     def measure_layer_times(*args: Any, **kwargs: Any):
         times = _measure(*args, **kwargs)  # the real measurement runs, as it would
         table = SECONDS[rank]
-        seconds = {name: {o: table.get(o.split("#")[0], 2.0) for o in row} for name, row in times.seconds.items()}
-        added_full = sum(row.get("full", 1.0) - row["keep"] for name, row in seconds.items() if name not in times.parts)
+        seconds = {name: {o: table.get(str(o), 2.0) for o in row} for name, row in times.seconds.items()}
+        added_full = sum(row.get(FULL, 1.0) - row[KEEP] for name, row in seconds.items() if name not in times.parts)
         return replace(times, seconds=seconds, full_step_seconds=10.0 + added_full)
 
     return measure_layer_times

@@ -21,6 +21,7 @@ from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import NotFakeable, on_fake_tensors
 from ckpt_plugin.measure.memory import saved_bytes, side_effect_free
 from ckpt_plugin.measure.report import wrap_report
+from ckpt_plugin.planning.options import FULL
 from ckpt_plugin.planning.profile import profile
 from tests.conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
 
@@ -101,7 +102,7 @@ def test_auto_profile_on_fake_tensors_equals_the_profile_on_real_ones(workloads,
     names = [n for n, m in model.named_modules() if type(m).__name__ == layers]
     real = profile(model, names, forward, fake=False)
     fake = profile(model, names, forward)
-    assert all(layer.options["full"].recompute_flops > 0 for layer in fake.layers)
+    assert all(layer.options[FULL].recompute_flops > 0 for layer in fake.layers)
     assert fake == real
 
 
