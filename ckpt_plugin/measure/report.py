@@ -46,7 +46,7 @@ class StepMeasure:
 
 
 def measure_step(model: nn.Module, loss: Callable[[], Any], names: list[str], *, fake: bool = True,
-                 what: str = "the activation report") -> StepMeasure:
+                 what: str = "The activation report") -> StepMeasure:
     """One step (``loss()``'s forward, then backward from it) of ``model`` as it is now: what the forward keeps,
     attributed to ``names`` (qualified; the rest to REST), and the step's peaks by category.
 
