@@ -22,12 +22,13 @@ class by. The callback's ``_target_`` is added by the Hydra layer
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt_plugin.config.budget import Budget, parse_budget
-from ckpt_plugin.config.deepspeed import settings_of
+from ckpt_plugin.config.deepspeed import DeepSpeedCheckpointing, settings_of
 from ckpt_plugin.config.keys import HELP
 from ckpt_plugin.config.values import compile_problems, every_n_problems, read_layers, timing_problems
 from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
@@ -49,7 +50,7 @@ class LayerSelection:
     until the user names them, so that our message, not Hydra's, says it is required.
     """
 
-    layers: Any = None
+    layers: str | Sequence[str] | None = None  # read into a tuple of entries
     every_n: int = 1
 
     # Values read into their types when the config is built (never again). Class attributes, not annotated: not
@@ -133,9 +134,9 @@ class _Recomputing(LayerSelection):
     mode: str
     preserve_rng_state: bool = True
     check_recompute: bool = False
-    segments: Any = None
+    segments: int | str | None = None  # a count, sqrt, recursive or optimal
     offload: bool = False
-    compile: Any = False
+    compile: bool | str = False  # true (inductor), false or a backend's name
 
 
 @dataclass(kw_only=True)
@@ -143,8 +144,8 @@ class FullConfig(_Recomputing):
     """``ckpt=full``: non-reentrant ``torch.utils.checkpoint`` around each selected module."""
 
     mode: str = "full"
-    budget: Any = None
-    deepspeed: Any = None
+    budget: float | int | str | None = None  # read into a Budget (read_budget)
+    deepspeed: DeepSpeedCheckpointing | Mapping[str, Any] | None = None  # read into DeepSpeedCheckpointing
 
     def __post_init__(self) -> None:
         self._budget, budget_problems = _read_optimal_budget(self.segments, self.budget)
@@ -181,9 +182,9 @@ class SelectiveConfig(_Recomputing):
     """``ckpt=selective``: save the outputs of chosen ops, recompute the rest (torch's SAC)."""
 
     mode: str = "selective"
-    policy: Any = "matmuls"
-    save_names: Any = None
-    exclude_names: Any = None
+    policy: str | Sequence[str] = "matmuls"  # read, with the names, into a PolicySpec (read_policy)
+    save_names: str | Sequence[str] | None = None
+    exclude_names: str | Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         from ckpt_plugin.config.policy import read_policy  # loads torch: only when a selective config is checked
@@ -210,7 +211,7 @@ class OffloadConfig(LayerSelection):
     """``ckpt=offload``: no recompute; what the selected layers save lives in CPU memory."""
 
     mode: str = "offload"
-    compile: Any = False
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         raise_problems(self._read_selection() + compile_problems(self))
@@ -221,11 +222,11 @@ class AutoConfig(LayerSelection):
     """``ckpt=auto``: per layer keep, selective (two policies) or full, the least recompute that fits a budget."""
 
     mode: str = "auto"
-    budget: Any = None
+    budget: float | int | str | None = None  # read into a Budget (read_budget)
     preserve_rng_state: bool = True
-    compile: Any = False
-    timing: Any = "auto"
-    plan: Any = None
+    compile: bool | str = False
+    timing: str = "auto"  # auto, eager, compiled or a backend's name
+    plan: str | os.PathLike | None = None  # a plan file's path
 
     def __post_init__(self) -> None:
         given = self.plan is not None  # the file decides what is wrapped: layers and budget may be left out
@@ -239,8 +240,6 @@ class AutoConfig(LayerSelection):
 
 def _plan_problems(value: Any) -> list[Problem]:
     """``ckpt.plan``: null, or the path of a file that exists (its content is checked against the model)."""
-    import os
-
     if value is None:
         return []
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
