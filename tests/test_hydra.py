@@ -48,7 +48,8 @@ def _presets(group: str) -> list[str]:
 
 FIT_DONE = "`Trainer.fit` stopped: `max_steps=2` reached."
 OFF = "Activation checkpointing is off (ckpt=none)."
-_TABLE_HEAD = re.compile(r"^Activation checkpointing wrapped (\d+) module\(s\) of (\w+); saved activations", re.M)
+_TABLE_HEAD = re.compile(r"^Activation checkpointing wrapped (\d+) module\(s\) of (\w+) \(ckpt=[^)]*\); kept for backward",
+                         re.M)
 
 
 def _output(proc: subprocess.CompletedProcess) -> str:

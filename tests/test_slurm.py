@@ -103,7 +103,7 @@ def _assert_ranks_trained(text: str, steps: int) -> None:
     assert "Preemption: Lightning's SLURM auto-requeue (a save inside the signal handler" in text
     assert "SLURM auto-requeueing enabled" not in text
     # The plugin wrapped both TransformerBlocks; rank zero prints its table once.
-    table = re.search(r"Activation checkpointing wrapped (\d+) module\(s\) of GPT;.*?\n((?:  .*\n)+)", text)
+    table = re.search(r"Activation checkpointing wrapped (\d+) module\(s\) of GPT \(ckpt=full\);.*?\n((?:  .*\n)+)", text)
     assert table and table[1] == "2", text[-3000:]
     assert re.findall(r"^  (blocks\.\d)\s+TransformerBlock", table[2], re.M) == ["blocks.0", "blocks.1"]
     assert text.count(STOPPED.format(steps)) == 1
