@@ -91,7 +91,8 @@ class Chain:
 _Entry = tuple[int, int, int, tuple[float, int, int], tuple[Part, ...]]
 
 
-def with_inside(name: str, leaves: Mapping[str, Mapping[Option, Cost]], chains: Mapping[str, Chain]) -> dict[Option, Cost]:
+def with_inside(name: str, leaves: Mapping[str, Mapping[Option, Cost]],
+                chains: Mapping[str, Chain]) -> dict[Option, Cost]:
     """The options of ``name``: its measured ones (``leaves[name]``) and, if it has a chain, those inside it."""
     own = dict(leaves[name])
     chain = chains.get(name)
@@ -103,7 +104,8 @@ def with_inside(name: str, leaves: Mapping[str, Mapping[Option, Cost]], chains: 
     for i, (kept, peak, late, (seconds, flops, _), listed) in enumerate(_frontier(chain, parts), 1):
         if not listed:  # every part kept: the layer as it is
             continue
-        derived[INSIDE.with_parts(i)] = Cost(chain.glue_kept + kept, flops, peak, seconds, listed, backward_running=late)
+        derived[INSIDE.with_parts(i)] = Cost(chain.glue_kept + kept, flops, peak, seconds, listed,
+                                             backward_running=late)
         if full is not None:
             derived[FULL.with_parts(i)] = Cost(
                 full.kept_bytes, full.recompute_flops + flops, max(chain.forward_running, late),

@@ -22,7 +22,7 @@ TimingCache = dict[tuple[str, tuple], float]
 class LayerTimes:
     """Measured seconds of each layer under each option, and of the step with every layer ``full``."""
 
-    seconds: dict[str, dict[Option, float]]  # layer -> option -> its forward + backward (+ recompute), summed over calls
+    seconds: dict[str, dict[Option, float]]  # layer -> option -> forward + backward (+ recompute), summed over calls
     full_step_seconds: float  # one real training step with every candidate under "full"
     compiled: Mapping[Option, str] = field(default_factory=dict)  # option -> the backend it was timed through
     # layer -> compiled option -> bytes its compiled calls keep for backward (its inputs included), summed over calls

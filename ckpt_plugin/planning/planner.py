@@ -209,7 +209,7 @@ class Plan:
     recompute_seconds: float  # step time the chosen options add (0 without a timing)
     predicted_peak: int
     budget_bytes: int
-    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer or part, option's name, kept bytes, recompute FLOPs
+    rows: list[tuple[str, str, int, int]] = field(repr=False)  # layer or part, option named, kept bytes, recompute FLOPs
     rest_bytes: int = 0
     peak_at: str = REST  # the layer whose run (or recomputation) the predicted peak falls in
     none_seconds: float = 0.0  # the step without checkpointing, predicted (0: not timed)
