@@ -251,27 +251,34 @@ class ActivationCheckpointing(pl.Callback):
         self.wrapped = self._installed.names
         if planning:
             self._keep(trainer, pl_module, plan)
-        wrapped = wrapped_line(len(self.wrapped), type(pl_module).__name__, how_wrapped(self.config.mode, options))
-        if forward is None:
-            rank_zero_info(f"{wrapped}: {', '.join(self.wrapped)}. (Set `example_input_array` on "
-                           f"{type(pl_module).__name__} to see the activation memory this saves.)")
-            return
-        if sharded is not None:
-            rank_zero_info(f"{wrapped}: {', '.join(self.wrapped)}. Their kept bytes are not reported under {sharded}: "
-                           "the report's step on fake tensors would run into the parameters it shards.")
+        self._say_what_was_wrapped(pl_module, plan, forward, sharded, without, rows, options)
+        if forward is not None:  # without a sample, the first step is the first forward: checked after it
             self._check_names()
-            return
-        try:
-            if isinstance(without, NotFakeable):
-                raise without
-            planned = (plan.planned.predicted_peak, plan.planned.budget_bytes) if options else None
-            self.report = wrap_report(pl_module, self.wrapped, forward, how=how_wrapped(self.config.mode, options),
-                                      rows=rows, options=options, without=without, planned=planned)
-        except NotFakeable as err:
-            rank_zero_info(f"{wrapped}: {', '.join(self.wrapped)}. Their kept bytes are not reported: {err}")
+
+    def _say_what_was_wrapped(self, pl_module: pl.LightningModule, plan: Any, forward: Callable[[], Any] | None,
+                              sharded: str | None, without: StepMeasure | NotFakeable | None, rows: Any,
+                              options: Any) -> None:
+        """The wrapped line, and the report of what the step keeps with and without (``measure/report.py``)
+        where it can be measured on fake tensors."""
+        how = how_wrapped(self.config.mode, options)
+        wrapped = f"{wrapped_line(len(self.wrapped), type(pl_module).__name__, how)}: {', '.join(self.wrapped)}."
+        if forward is None:
+            rank_zero_info(f"{wrapped} (Set `example_input_array` on {type(pl_module).__name__} to see the "
+                           "activation memory this saves.)")
+        elif sharded is not None:
+            rank_zero_info(f"{wrapped} Their kept bytes are not reported under {sharded}: the report's step on fake "
+                           "tensors would run into the parameters it shards.")
+        elif isinstance(without, NotFakeable):  # counted on fake tensors or not at all: never on real ones
+            rank_zero_info(f"{wrapped} Their kept bytes are not reported: {without}")
         else:
-            rank_zero_info(str(self.report))
-        self._check_names()
+            planned = (plan.planned.predicted_peak, plan.planned.budget_bytes) if options else None
+            try:
+                self.report = wrap_report(pl_module, self.wrapped, forward, how=how, rows=rows, options=options,
+                                          without=without, planned=planned)
+            except NotFakeable as err:
+                rank_zero_info(f"{wrapped} Their kept bytes are not reported: {err}")
+            else:
+                rank_zero_info(str(self.report))
 
     # -- ckpt=auto: one plan on every rank, kept --------------------------------------------------
 
