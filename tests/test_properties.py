@@ -436,7 +436,7 @@ def check_against_plain(spec: ModelSpec, keys: dict, expected: list[str] | None,
     rng, before = torch.get_rng_state(), state(model)
     names = apply_checkpointing(model, **keys)
     if keys.get("policy") == "names":  # checked below by the oracle (check_names), not in the first backward
-        policy_of(model).check_in_backward = False
+        policy_of(model)._names_pending = False
     assert torch.equal(torch.get_rng_state(), rng), "applying drew random numbers"
     assert_equal(state(model), before, "state_dict after applying")
     assert all(p.grad is None for p in model.parameters()), "applying left gradients"

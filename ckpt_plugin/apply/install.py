@@ -64,7 +64,7 @@ def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any
     if plan.summary:
         log.info(plan.summary)
     if installed.names_policy is not None:
-        installed.names_policy.check_in_backward = True  # nothing on the model: remove_checkpointing leaves it as it was
+        installed.names_policy.check_names_when_recomputing()  # nothing on the model: remove leaves it as it was
     return installed.names
 
 

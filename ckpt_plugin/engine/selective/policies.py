@@ -61,8 +61,10 @@ class SelectivePolicy:
     the ``context_fn`` for ``checkpoint(..., use_reentrant=False, context_fn=...)``.
     ``seen_names`` collects the ``checkpoint_name`` tags met by forwards so far;
     ``uses_names`` is whether it goes by those tags (``policy="names"``) rather than by ops.
-    ``check_in_backward`` (set by ``apply_checkpointing``) runs :meth:`check_names` once, as
-    the first recomputation starts: by then the whole forward of the step has tagged.
+    :meth:`check_names_when_recomputing` (``apply_checkpointing`` asks it) runs :meth:`check_names`
+    once, as the first recomputation starts: by then the whole forward of the step has tagged.
+    One policy serves the layers of one installation (``treatment_of`` reads one per plan), so
+    its names and that check are the installation's, never another model's.
     """
 
     def __init__(self, policy: Any, *, save_names: Any = None, exclude_names: Any = None) -> None:
@@ -79,7 +81,7 @@ class SelectivePolicy:
         self.policy, self.ops, self.uses_names = spec.policy, spec.ops, spec.uses_names
         self.save_names, self.exclude_names = spec.save_names, spec.exclude_names
         self.seen_names: set[str] = set()
-        self.check_in_backward: bool = False
+        self._names_pending = False  # check_names at the next recomputation (check_names_when_recomputing)
 
     def saves(self, op: Any, args: tuple, kwargs: dict, *, record: bool = True) -> bool:
         """Whether the output of this call of ``op`` is kept for backward."""
@@ -101,6 +103,16 @@ class SelectivePolicy:
         """(forward, recompute) contexts for one checkpointed call; give it to ``checkpoint``.
         ``module``: the name of the module checkpointed, for errors."""
         return region_modes(self, module)
+
+    def check_names_when_recomputing(self) -> None:
+        """Check the names (:meth:`check_names`) as the next recomputation starts, once."""
+        self._names_pending = True
+
+    def before_recompute(self) -> None:
+        """What a region's recomputation asks first: the names check, where one is pending."""
+        if self._names_pending:
+            self._names_pending = False
+            self.check_names()
 
     def check_names(self) -> None:
         """Raise if a name in save_names/exclude_names was never met by a forward."""

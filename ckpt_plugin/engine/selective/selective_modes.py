@@ -29,11 +29,10 @@ class RegionPolicy(Protocol):
     """What a region asks of its policy (``policies.SelectivePolicy``)."""
 
     uses_names: bool  # the policy goes by checkpoint_name tags: the region's tags are live
-    check_in_backward: bool  # check the policy's names as the first recomputation starts, once
 
     def saves(self, op: Any, args: tuple, kwargs: dict, *, record: bool = True) -> bool: ...
 
-    def check_names(self) -> None: ...
+    def before_recompute(self) -> None: ...
 
 
 def region_modes(policy: RegionPolicy, module: str | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
@@ -220,10 +219,7 @@ class _ReplayMode(_RegionMode):
     """Recomputation: hand back what was saved, run everything else again."""
 
     def __enter__(self) -> _RegionMode:
-        policy = self.region.policy
-        if policy.check_in_backward:  # the first recomputation of the first backward: once
-            policy.check_in_backward = False
-            policy.check_names()
+        self.region.policy.before_recompute()
         # Unpack here, outside dispatch: an unpack hook may run ops of its own (copies back
         # from CPU, an enclosing checkpoint's recomputation).
         unpack = lambda e: e.value() if isinstance(e, _Saved) else e  # noqa: E731
