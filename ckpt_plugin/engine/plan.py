@@ -1,7 +1,7 @@
 """A plan: what to wrap and how, as data. :func:`ckpt_plugin.engine.wrap.install` installs any plan.
 
 Every mode becomes one (``full``, ``selective``, ``offload``, ``segments``,
-``recursive`` and ``auto`` alike): the config layer (``config/plan.py``) or
+``recursive`` and ``auto`` alike): the spine (``apply/plan.py``) or
 the planner decides, the engine installs. A plan names modules by qualified
 name, so it is checked against a model before anything is touched.
 """

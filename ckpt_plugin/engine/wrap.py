@@ -1,7 +1,7 @@
 """How a module gets wrapped: :func:`install` puts a plan on a model, :func:`remove_checkpointing` takes it off.
 
 Every mode ends here. A :class:`~ckpt_plugin.engine.plan.WrapPlan` (from
-``config/plan.py`` for a config, from the planner for ``ckpt=auto``) lists
+``apply/plan.py`` for a config, from the planner for ``ckpt=auto``) lists
 groups of modules by qualified name, each with a ``Treatment``: one checkpoint
 per module (:class:`CheckpointedForward`, below) or segments over a chain
 (``segments/chain.py``). :func:`install` checks the whole plan against the model, then
@@ -185,7 +185,7 @@ def check_plan(model: nn.Module, plan: WrapPlan) -> None:
     segments over layers that cannot be a chain where they sit (``chain_check.check_chain``: other
     parents than a Sequential/ModuleList, gaps, a chain running on into an unrelated list) or fewer
     layers than segments. Touches nothing and runs nothing: what the layers get when called is checked
-    on a sample input by ``config/plan.py``, and on every call by the chain."""
+    on a sample input by ``apply/plan.py``, and on every call by the chain."""
     modules = dict(model.named_modules())
     missing = [n for n in plan.names if n not in modules]
     if missing:

@@ -18,7 +18,7 @@ A segment is recomputed from its first input alone (``chain.py``): layer
 - **What the layers get** (:class:`Links`): each call's first argument must be
   the very tensor the previous layer returned and its other arguments the
   previous layer's. ``ChainCheckpoint`` asks on every call inside a segment
-  and raises before a wrong gradient can exist; ``config/plan.py`` asks, with
+  and raises before a wrong gradient can exist; ``apply/plan.py`` asks, with
   :func:`watching`, on every call of one forward of the sample input on fake
   tensors, so that layers returning tuples or taking other arguments are a
   ``ConfigError`` when segments are applied, not a crash at the first step.
