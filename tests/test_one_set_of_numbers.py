@@ -127,7 +127,8 @@ def test_without_is_one_quantity_whatever_is_wrapped(module, tmp_path: Path) -> 
     for name, report in runs.items():
         assert report.without.total == first.without.total, name
         assert report.without.by_owner == first.without.by_owner, name  # the same rows: every selected layer
-        assert report.peaks[0] == first.peaks[0], name
+        if report.options:  # ckpt=auto's report measures the peaks too (the callback: only where a plan states one)
+            assert report.peaks[0] == runs["auto 0.5"].peaks[0] > 0, name
     assert runs["auto 1 (nothing wrapped)"].with_ckpt.total == first.without.total  # nothing wrapped: with is without
 
 

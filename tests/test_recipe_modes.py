@@ -12,7 +12,7 @@ from conftest import FAST, RECIPE, TINY_GPT, TINY_RESNET
 from omegaconf import OmegaConf
 
 PRESETS = ["selective", "names", "segments", "recursive", "offload"]
-TABLE = re.compile(r"wrapped (\d+) module\(s\) of (\w+);.*?\n  total\s+([\d.]+ \w+)\s+([\d.]+ \w+)", re.S)
+TABLE = re.compile(r"wrapped (\d+) module\(s\) of (\w+) \(ckpt=[^)]*\);.*?\n  total\s+([\d.]+ \w+)\s+([\d.]+ \w+)", re.S)
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 

@@ -242,9 +242,11 @@ class ActivationCheckpointing(pl.Callback):
         rows, options = _selected(plan)
         sharded = sharded_parameters(trainer.strategy)
         without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed
+        # The peaks (a fake backward under MemTracker) cost as much again per fit and, found by ckpt-soak, leave the
+        # fake copies of the parameters alive after it: measured only for ckpt=auto, whose plan they check.
         if forward is not None and sharded is None:
             try:
-                without = measure_step(pl_module, forward, rows)
+                without = measure_step(pl_module, forward, rows, peaks=bool(options))
             except NotFakeable as err:  # counted on fake tensors or not at all: never on real ones
                 without = err
         self._installed = install_plan(pl_module, plan)
@@ -274,7 +276,7 @@ class ActivationCheckpointing(pl.Callback):
             planned = (plan.planned.predicted_peak, plan.planned.budget_bytes) if options else None
             try:
                 self.report = wrap_report(pl_module, self.wrapped, forward, how=how, rows=rows, options=options,
-                                          without=without, planned=planned)
+                                          without=without, planned=planned, peaks=bool(options))
             except NotFakeable as err:
                 rank_zero_info(f"{wrapped} Their kept bytes are not reported: {err}")
             else:

@@ -46,7 +46,7 @@ class StepMeasure:
 
 
 def measure_step(model: nn.Module, loss: Callable[[], Any], names: list[str], *, fake: bool = True,
-                 what: str = "The activation report") -> StepMeasure:
+                 what: str = "The activation report", peaks: bool = True) -> StepMeasure:
     """One step (``loss()``'s forward, then backward from it) of ``model`` as it is now: what the forward keeps,
     attributed to ``names`` (qualified; the rest to REST), and the step's peaks by category.
 
@@ -54,6 +54,8 @@ def measure_step(model: nn.Module, loss: Callable[[], Any], names: list[str], *,
     ``fake=False``: a real step (on CUDA, the peaks are the allocator's: ``total`` and ``act`` above what was
     allocated before). ``what`` names the measurement in :class:`NotFakeable`. ``loss()`` may return any output: its floating-point tensors are summed
     (``sample.scalar``), as ``ckpt=auto``'s profile does. No trace on RNG, buffers or gradients.
+    ``peaks=False``: the kept bytes alone (one forward; no MemTracker, no backward): what the callback's report
+    needs for every mode but ``ckpt=auto``, whose plan it compares with the peaks.
     """
     def step() -> None:
         scalar(loss()).backward()
@@ -65,6 +67,8 @@ def measure_step(model: nn.Module, loss: Callable[[], Any], names: list[str], *,
     # tensor it never saw made (the batch's fake copy) as an activation of the step.
     with measuring():
         kept = saved_bytes(model, loss, names)
+    if not peaks:
+        return StepMeasure(kept, {})
     with measuring():
         grads = {p: p.grad for p in model.parameters()}
         try:
@@ -196,6 +200,9 @@ class WrapReport:
         if peak0:
             lines.append(f"  activation peak: {format_bytes(peak0)} without, {format_bytes(peak1)} with "
                          f"({peak1 / peak0:.2f} of without)")
+        if self.planned is not None and not peak0:
+            lines.append(f"  ckpt=auto planned {format_bytes(self.planned[0])} for ckpt.budget "
+                         f"{format_bytes(self.planned[1])}")
         if self.planned is not None and peak0:
             predicted, budget = self.planned
             lines.append(f"  ckpt=auto planned {format_bytes(predicted)} for ckpt.budget {format_bytes(budget)} "
@@ -208,13 +215,15 @@ class WrapReport:
 
 def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any], note: str = "", *,
                 how: str = "ckpt=full", rows: list[str] | None = None, options: dict[str, str] | None = None,
-                without: StepMeasure | None = None, planned: tuple[int, int] | None = None) -> WrapReport:
+                without: StepMeasure | None = None, planned: tuple[int, int] | None = None,
+                peaks: bool = True) -> WrapReport:
     """Measure one step of ``forward()`` (a forward of the wrapped ``model``) without and with checkpointing.
 
     ``without``: the step measured before anything was installed (the callback measures it so, once: an
     installation also changes what it does not wrap, e.g. it turns a Hugging Face model's KV cache off);
     None: measured here with the wrappers taken off. ``rows`` (default ``wrapped``): the selected layers;
-    ``how``, ``options``, ``planned``, ``note``: as :class:`WrapReport` shows them.
+    ``how``, ``options``, ``planned``, ``note``: as :class:`WrapReport` shows them. ``peaks=False``: kept bytes
+    only (``measure_step``).
 
     On fake tensors (``measure_step``): the bytes are the real ones, counted
     without allocating them, so the report never needs the memory of the step
@@ -226,9 +235,9 @@ def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]
     modules = dict(model.named_modules())
     if without is None:
         with checkpointing_disabled(model):
-            without = measure_step(model, forward, rows)
+            without = measure_step(model, forward, rows, peaks=peaks)
     with compiling_paused(model):  # never compile fake tensors
-        with_ckpt = measure_step(model, forward, rows)
+        with_ckpt = measure_step(model, forward, rows, peaks=peaks)
     return WrapReport(
         model=type(model).__name__,
         wrapped=wrapped,
