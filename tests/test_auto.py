@@ -25,18 +25,10 @@ from ckpt_plugin.measure.memory import REST, saved_bytes, step_flops, step_memor
 from ckpt_plugin.planning.nofit import NoFit
 from ckpt_plugin.planning.options import FULL, INSIDE, KEEP, SELECTIVE, SELECTIVE_NB, Option
 from ckpt_plugin.planning.planner import Part, choose
-from ckpt_plugin.planning.profile import (
-    OPTIONS,
-    Budget,
-    Cost,
-    LayerProfile,
-    Profile,
-    parse_budget,
-    plan,
-    profile,
-    resolve,
-    wrap_plan,
-)
+from ckpt_plugin.config.budget import Budget, parse_budget, resolve
+from ckpt_plugin.planning.options import OPTIONS
+from ckpt_plugin.planning.planner import Cost, LayerProfile, Profile, plan
+from ckpt_plugin.planning.profile import profile, wrap_plan
 
 N_LAYER = 6
 BLOCKS = [f"blocks.{i}" for i in range(N_LAYER)]

@@ -126,16 +126,19 @@ class NestedRegions:
     def covers(self, other: object) -> bool:
         return other is self
 
-    @property
-    def costs(self) -> ChainCosts:
+    def _measured(self) -> tuple[ChainCosts, int]:
+        """The chain's costs and the activation peak without checkpointing, measured together, once."""
         if self._costs is None:
             self._costs = chain_costs(self.measuring.model, self.measuring.names, self.measuring.run)
-        return self._costs[0]
+        return self._costs
+
+    @property
+    def costs(self) -> ChainCosts:
+        return self._measured()[0]
 
     @property
     def reference(self) -> int:
-        self.costs  # noqa: B018 -- measured with the costs
-        return self._costs[1]
+        return self._measured()[1]
 
     def fit(self, budget: Budget) -> Solution | NoFit:
         limit = resolve(budget, self.reference)

@@ -37,7 +37,6 @@ from typing import Any
 
 from torch import nn
 
-from ckpt_plugin.config.budget import Budget, parse_budget, resolve
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.wrap import checkpointing_disabled
@@ -47,7 +46,7 @@ from ckpt_plugin.planning.inside import with_inside
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
 from ckpt_plugin.planning.parts import measure_parts, ran_as_groups, regrouped_while
 from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, SELECTIVE_NB, Option
-from ckpt_plugin.planning.planner import Cost, LayerProfile, Plan, Profile, plan
+from ckpt_plugin.planning.planner import Cost, LayerProfile, Plan, Profile
 from ckpt_plugin.planning.recorder import Recorder
 from ckpt_plugin.planning.rotor import ChainCosts
 from ckpt_plugin.planning.steps import recorded_step, step_where_it_runs, treatment
@@ -299,7 +298,6 @@ def chain_costs(model: nn.Module, names: list[str], forward: Callable[[], Any], 
 
 
 __all__ = [
-    "Budget",
     "chain_costs",
     "Cost",
     "INSIDE_DEPTH",
@@ -310,9 +308,6 @@ __all__ = [
     "ProfileCache",
     "with_times",
     "wrap_plan",
-    "parse_budget",
-    "plan",
     "profile",
-    "resolve",
     "treatment",
 ]
