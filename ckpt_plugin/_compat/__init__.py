@@ -13,6 +13,7 @@ from here (``from ckpt_plugin._compat import user_module``):
 - ``pytree``: torch's pytree;
 - ``memory``: MemTracker with per-category peaks;
 - ``regions``: non-reentrant checkpoint internals (regions opened by hooks, their frames);
+- ``checkpoint``: the engine's non-reentrant checkpoint calls, whose early stop survives libraries that re-wrap exceptions;
 - ``wrappers``: the user's module inside compile, DDP, FSDP and Fabric wrappers;
 - ``dynamo``: torch.compile's internals;
 - ``hooks``: hook and mode counters (ckpt-soak), the global module hooks.
@@ -20,6 +21,12 @@ from here (``from ckpt_plugin._compat import user_module``):
 
 from __future__ import annotations
 
+from ckpt_plugin._compat.checkpoint import (
+    early_stop_in_force,
+    non_reentrant_checkpoint,
+    recomputable,
+    stop_recomputation_error,
+)
 from ckpt_plugin._compat.dynamo import (
     activation_memory_budget,
     compile_failures,
@@ -69,6 +76,7 @@ __all__ = [
     "compile_with_recompile_limit",
     "compiled_by_user",
     "compiler_backend",
+    "early_stop_in_force",
     "fake_tensor_mode",
     "forget_compiled",
     "global_hook_count",
@@ -77,15 +85,18 @@ __all__ = [
     "is_mutable",
     "keystr",
     "mode_stack_depth",
+    "non_reentrant_checkpoint",
     "op_flops",
     "open_region",
     "outer_saved_tensors_hooks",
     "raised_by_fake_tensors",
+    "recomputable",
     "recompile_limit",
     "recompile_limit_hit",
     "register_module_forward_hook",
     "register_module_forward_pre_hook",
     "saved_tensors_hooks_depth",
+    "stop_recomputation_error",
     "storage_key",
     "tracing_for_compile",
     "tree_flatten_with_path",

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ckpt_plugin._compat.checkpoint import _unwrapped, recomputable
 
 # The parameters of ``_checkpoint_without_reentrant_generator`` before its ``*args`` (torch 2.11 to 2.15:
 # ``fn, preserve_rng_state=True, context_fn=noop_context_fn, determinism_check="default",
@@ -55,6 +56,9 @@ def open_region(fn: Any, preserve_rng_state: bool, context_fn: Any, *args: Any, 
     is what recomputation runs. Close with :func:`close_region` (or ``gen.close()`` on error).
     """
     generator = _region_generator()
+    # ``fn`` only recomputes (the caller runs the forward): torch's early stop must pass through
+    # libraries that re-wrap exceptions (``checkpoint.py``), or early stop is off where it cannot.
+    fn, early_stop = recomputable(fn, forward_first=False)
     # Positional, not by keyword: the generator's inputs follow as ``*args``, and Python fills
     # named parameters from positional arguments first, so naming them (``fn=fn, ...``) next to
     # any positional input raises "got multiple values". (``args`` cannot go into a closure either:
@@ -67,7 +71,7 @@ def open_region(fn: Any, preserve_rng_state: bool, context_fn: Any, *args: Any, 
         context_fn,  # context_fn
         "default",  # determinism_check
         False,  # debug
-        True,  # early_stop
+        early_stop,  # early_stop
         *args,
         **kwargs,
     )
@@ -120,7 +124,7 @@ def checkpointed_fn(frame: FrameType | None) -> Any:
     move, those rows fall back to the op that produced the input.
     """
     region = _region_frame(frame)
-    return None if region is None else region.f_locals.get("fn")
+    return None if region is None else _unwrapped(region.f_locals.get("fn"))  # ours wraps the caller's fn
 
 
 # torch 2.11: a region saves its inputs as those of an autograd Function, ``_NoopSaveInputs.apply(dummy,

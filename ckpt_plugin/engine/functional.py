@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ckpt_plugin._compat import non_reentrant_checkpoint
 from ckpt_plugin.engine.selective.policies import SelectivePolicy, make_policy
 
 
@@ -69,7 +69,7 @@ def checkpoint(
     selective: SelectivePolicy | None = None
     if policy is not None or save_names is not None or exclude_names is not None:
         selective = make_policy(policy, save_names=save_names, exclude_names=exclude_names)
-    options: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
+    options: dict[str, Any] = {"preserve_rng_state": preserve_rng_state}
     if selective is not None:
         options["context_fn"] = selective.context_fn
 
@@ -82,7 +82,7 @@ def checkpoint(
         call = functools.partial(fn, **kwargs) if kwargs else fn
         recording = torch.is_grad_enabled()  # without grad, checkpoint runs fn plainly
         with offloaded():
-            out = torch_checkpoint(call, *args, **options)
+            out = non_reentrant_checkpoint(call, *args, **options)
         if selective is not None and selective.uses_names and recording:
             selective.check_names()
         return out

@@ -42,9 +42,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.checkpoint import checkpoint
-
-from ckpt_plugin._compat import compile_failures, compile_with_recompile_limit, recompile_limit, recompile_limit_hit
+from ckpt_plugin._compat import (
+    compile_failures,
+    compile_with_recompile_limit,
+    non_reentrant_checkpoint,
+    recompile_limit,
+    recompile_limit_hit,
+)
 from ckpt_plugin.errors import ConfigError, Problem
 
 
@@ -58,7 +62,7 @@ def _checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, context_fn: 
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     options = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options)
+    return non_reentrant_checkpoint(fn, *args, preserve_rng_state=preserve_rng_state, **options)
 
 
 def _uncheckpointed(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

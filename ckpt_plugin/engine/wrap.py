@@ -52,9 +52,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from ckpt_plugin._compat import checkpoint_debug_enabled, user_module
+from ckpt_plugin._compat import checkpoint_debug_enabled, non_reentrant_checkpoint, user_module
 from ckpt_plugin.engine.segments.chain import ATTR, ChainCheckpoint, chains_of
 from ckpt_plugin.engine.segments.chain_check import check_chain
 from ckpt_plugin.engine.forwards import TemporaryForwards, instance_forward, set_forward
@@ -133,7 +132,7 @@ class CheckpointedForward:
         # ``is not None``, not truthiness: traced by torch.compile, torch 2.11's dynamo cannot take the truth of
         # a functools.partial (a graph break, "Data-dependent branching", FunctoolsPartialVariable); 2.13 and 2.15 can.
         options = {"context_fn": context_fn} if context_fn is not None else {}
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=t.preserve_rng_state, **options)
+        return non_reentrant_checkpoint(fn, *args, preserve_rng_state=t.preserve_rng_state, **options)
 
 
 def wrapped_modules(model: nn.Module) -> list[str]:

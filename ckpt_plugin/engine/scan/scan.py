@@ -92,8 +92,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from ckpt_plugin._compat import non_reentrant_checkpoint
 from ckpt_plugin.engine.scan.scan_reversal import last_carry
 
 __all__ = ["checkpoint_scan"]
@@ -319,7 +319,7 @@ def checkpoint_scan(
     carry = init
     for first in range(0, n_steps, save_every_n):
         length = min(save_every_n, n_steps - first)
-        stacked, carry = checkpoint(  # stacked: (length, *init.shape)
+        stacked, carry = non_reentrant_checkpoint(  # stacked: (length, *init.shape)
             _window,
             fn,
             first,
@@ -328,7 +328,6 @@ def checkpoint_scan(
             *non_sequences,
             # Non-reentrant: works with torch.autograd.grad, with an init that
             # needs no gradient, and gives gradients to tensors fn closes over.
-            use_reentrant=False,
             preserve_rng_state=preserve_rng_state,
         )
         out = _WriteSlice.apply(out, stacked, first)

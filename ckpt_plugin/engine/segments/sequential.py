@@ -30,8 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.checkpoint import checkpoint
-
+from ckpt_plugin._compat import non_reentrant_checkpoint
 from ckpt_plugin.config.values import segment_problems
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 
@@ -133,9 +132,7 @@ def checkpoint_sequential(
     def run(nodes: Sequence[Node], *args: Any) -> Any:
         for node in nodes:
             if isinstance(node, Region):
-                out = checkpoint(
-                    run, node.children, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
-                )
+                out = non_reentrant_checkpoint(run, node.children, *args, preserve_rng_state=preserve_rng_state)
             else:
                 out = functions[node](*args)
             args = (out,)
