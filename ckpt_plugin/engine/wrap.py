@@ -196,7 +196,8 @@ def check_plan(model: nn.Module, plan: WrapPlan) -> None:
 
 
 def install(model: nn.Module, plan: WrapPlan) -> list[str]:
-    """Put ``plan`` on ``model``, replacing whatever this plugin had put there; returns the names wrapped.
+    """Put ``plan`` on ``model``, replacing whatever this plugin had put there; returns the names wrapped, in
+    the model's registration order (:func:`in_model_order`), whatever order the plan lists them in.
 
     Everything is checked against the model before the model is touched: an
     error leaves it exactly as it was (wrapped or not). An empty plan unwraps.
@@ -240,7 +241,15 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
                 set_forward(modules[name], wrapper)
     if any(g.treatment.checkpointing for g in plan.groups):
         turn_cache_off_above(model, plan.names, side_effects)  # a Hugging Face model above: use_cache=False
-    return plan.names
+    return in_model_order(model, plan.names)
+
+
+def in_model_order(model: nn.Module, names: list[str]) -> list[str]:
+    """``names`` in ``model.named_modules()`` order (registration), each once: the one order every list of
+    wrapped names comes in (issue #33). A plan lists its layers as they run (``ckpt=auto``, chains), and a
+    UNet registers ``mid_block`` after ``up_blocks`` but runs it between; only the returned names are sorted."""
+    wanted = set(names)
+    return [n for n, _ in model.named_modules(remove_duplicate=False) if n in wanted]
 
 
 @contextlib.contextmanager
