@@ -10,6 +10,7 @@ Every surface (the torch API, the Lightning callback, Fabric, LightningCLI,
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,9 +19,12 @@ from torch import nn
 
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.plan import plan_for
-from ckpt_plugin.config.schema import CkptConfig, make_config
+from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig, make_config
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.wrap import install, policy_of
+from ckpt_plugin.measure.fake import NotFakeable
+from ckpt_plugin.measure.overkeep import over_kept, overkeep_warning
+from ckpt_plugin.measure.sample import example_forward
 
 log = logging.getLogger("ckpt_plugin")
 
@@ -65,7 +69,29 @@ def apply_config(model: nn.Module, config: CkptConfig, forward: Callable[[], Any
         log.info(plan.summary)
     if installed.names_policy is not None:
         installed.names_policy.check_names_when_recomputing()  # nothing on the model: remove leaves it as it was
+    if forward is None and getattr(user_module(model), "example_input_array", None) is not None:
+        forward = example_forward(user_module(model))
+    if forward is not None:
+        warn_overkeep(model, config, installed.names, forward)
     return installed.names
+
+
+def warn_overkeep(model: nn.Module, config: CkptConfig, names: list[str], forward: Callable[[], Any],
+                  warn: Callable[[str], Any] | None = None) -> None:
+    """A ``UserWarning`` naming each layer a fixed mode (every mode but none and auto) makes keep more for backward
+    than no checkpointing keeps there (``measure/overkeep.py``: two forwards on fake tensors). ``warn``: how it is
+    said (the callback: Lightning's rank-zero warning); default ``warnings.warn``."""
+    if isinstance(config, (NoneConfig, AutoConfig)) or not names:
+        return
+    try:
+        rows = over_kept(model, names, forward)
+    except NotFakeable as err:  # measured on fake tensors or not at all: never a real step
+        log.info("ckpt_plugin: the over-keeping check was skipped: %s", err)
+        return
+    if rows and warn is not None:
+        warn(overkeep_warning(rows, f"ckpt={config.mode}"))
+    elif rows:
+        warnings.warn(overkeep_warning(rows, f"ckpt={config.mode}"), UserWarning, stacklevel=3)
 
 
 def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
@@ -82,4 +108,4 @@ def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
     return apply_config(model, make_config(**ckpt_keys))
 
 
-__all__ = ["Installation", "apply_checkpointing", "apply_config", "install_plan"]
+__all__ = ["Installation", "apply_checkpointing", "apply_config", "install_plan", "warn_overkeep"]

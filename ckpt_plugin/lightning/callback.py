@@ -97,6 +97,7 @@ from ckpt_plugin.measure.report import (
     wrap_report,
     wrapped_line,
 )
+from ckpt_plugin.lightning.wrapped import batch_forward, check_overkeep, report_rows
 from ckpt_plugin.planning.plan_file import (
     FILE_NAME,
     plain,
@@ -162,6 +163,7 @@ class ActivationCheckpointing(pl.Callback):
         self._installed: Installation | None = None  # what on_fit_start installed: its names checked after a step
         self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
         self._counting: Any = None  # its hooks, between batch start and backward
+        self._overkeep_at_step = False  # the over-keeping check waits for the first batch (no sample at fit start)
 
     # -- the checkpoint's record: what this fit was trained with ----------------------------------
 
@@ -239,7 +241,7 @@ class ActivationCheckpointing(pl.Callback):
         if plan.summary:
             rank_zero_info(plan.summary)
         self.planned = plan.planned
-        rows, options = _selected(plan)
+        rows, options = report_rows(pl_module, plan)
         sharded = sharded_parameters(trainer.strategy)
         without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed
         # The peaks (a fake backward under MemTracker) cost as much again per fit and, found by ckpt-soak, leave the
@@ -254,8 +256,10 @@ class ActivationCheckpointing(pl.Callback):
         if planning:
             self._keep(trainer, pl_module, plan)
         self._say_what_was_wrapped(pl_module, plan, forward, sharded, without, rows, options)
+        self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig)
         if forward is not None:  # without a sample, the first step is the first forward: checked after it
             self._check_names()
+            check_overkeep(trainer, pl_module, self.config, self.wrapped, forward)
 
     def _say_what_was_wrapped(self, pl_module: pl.LightningModule, plan: Any, forward: Callable[[], Any] | None,
                               sharded: str | None, without: StepMeasure | NotFakeable | None, rows: Any,
@@ -356,7 +360,11 @@ class ActivationCheckpointing(pl.Callback):
 
     # -- per-step metrics, on the steps Lightning logs (trainer.log_every_n_steps) --------------
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             *args: Any) -> None:
+        if self._overkeep_at_step and self.wrapped:  # the batch is the sample now: on fake tensors, once per fit
+            self._overkeep_at_step = False
+            check_overkeep(trainer, pl_module, self.config, self.wrapped, batch_forward(trainer, pl_module, batch))
         if not self.wrapped or trainer.global_step % max(trainer.log_every_n_steps, 1):
             return
         if pl_module.device.type == "cuda":
@@ -415,16 +423,6 @@ def _check_on(model: nn.Module, config: CkptConfig) -> None:
     if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
         config = FullConfig(layers=config.layers, every_n=config.every_n)
     check_plan(user_module(model), plan_for(model, config))  # what install() checks before touching the model
-
-
-def _selected(plan: Any) -> tuple[list[str], dict[str, str]]:
-    """The layers the report's rows are (ckpt=auto: every candidate layer, kept ones too, so that its
-    "(rest of model)" is the plan's), and ckpt=auto's option for each ({} for the other modes)."""
-    choices = getattr(plan.planned, "choices", None)
-    if not choices:
-        return plan.names, {}
-    layers = [n for n in choices if not any(n.startswith(f"{a}.") for a in choices)]  # parts are in their layer
-    return layers, {n: str(choices[n]) for n in layers}  # the report names them
 
 
 def _changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

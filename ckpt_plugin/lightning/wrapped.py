@@ -1,0 +1,61 @@
+"""What the callback says about what it wrapped, besides the report: the report's rows in the model's order, and
+the over-keeping check (``measure/overkeep.py``) on its sample input, or else on the first training batch.
+
+    rows, options = report_rows(pl_module, plan)
+    check_overkeep(trainer, pl_module, config, wrapped, forward)   # forward None: nothing to measure on
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ckpt_plugin._compat import user_module
+from ckpt_plugin.apply.install import warn_overkeep
+from ckpt_plugin.config.schema import CkptConfig
+from ckpt_plugin.engine.wrap import in_model_order
+from ckpt_plugin.lightning.sample import training_call
+from ckpt_plugin.lightning.strategies import sharded_parameters
+
+
+def report_rows(pl_module: pl.LightningModule, plan: Any) -> tuple[list[str], dict[str, str]]:
+    """The layers the report's rows are, in the model's registration order (ckpt=auto: every candidate layer,
+    kept ones too, so that its "(rest of model)" is the plan's), and ckpt=auto's option for each ({} for the
+    other modes). The plan lists them as they run (issue #33: one order for names)."""
+    choices = getattr(plan.planned, "choices", None)
+    if not choices:
+        return in_model_order(user_module(pl_module), plan.names), {}
+    layers = [n for n in choices if not any(n.startswith(f"{a}.") for a in choices)]  # parts are in their layer
+    layers = in_model_order(user_module(pl_module), layers)
+    return layers, {n: str(choices[n]) for n in layers}  # the report names them
+
+
+def batch_forward(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Callable[[], Any] | None:
+    """The call ``training_step`` makes with ``batch`` (``sample.training_call``), as a forward; None if none."""
+    call = training_call(trainer, pl_module, batch)
+    if call is None:
+        return None
+    args, kwargs = call
+
+    def forward() -> Any:
+        with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step
+            return pl_module(*args, **kwargs)
+
+    return forward
+
+
+def check_overkeep(trainer: pl.Trainer, pl_module: pl.LightningModule, config: CkptConfig, wrapped: list[str],
+                   forward: Callable[[], Any] | None) -> None:
+    """Warn on rank 0 where a fixed mode keeps more on a layer than no checkpointing (``apply.warn_overkeep``).
+
+    Skipped without a forward, and where parameters are sharded: a forward on fake tensors would run into the
+    parameters the strategy shards, as the report's would (``strategies.sharded_parameters``)."""
+    if forward is None or trainer.global_rank != 0 or sharded_parameters(trainer.strategy) is not None:
+        return
+    warn_overkeep(pl_module, config, wrapped, forward, warn=lambda text: rank_zero_warn(text, category=UserWarning))
+
+
+__all__ = ["batch_forward", "check_overkeep", "report_rows"]
