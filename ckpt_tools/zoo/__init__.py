@@ -1,6 +1,7 @@
 """A zoo of models nobody here wrote, built from tiny configs, for what ``layers=auto`` decides.
 
     python -m ckpt_tools.zoo            # per model: what auto chose, activation peaks none / ours / own
+    python -m ckpt_tools.zoo --budget   # also ckpt=auto ckpt.budget=0.5: met, or refused and the least run
 
 Each :class:`ZooModel` builds one model as its library's users build it (a
 config, nothing downloaded), and calls it as they call it in training. The
@@ -9,6 +10,7 @@ test suite (``tests/test_zoo.py``) and the tool share these entries.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ class ZooModel:
 
     name: str  # "hf.swin", "torch.transformer_encoder", "shape.efficientnet"
     family: str  # decoder | encoder | encoder-decoder | moe | state-space | vision | audio | torch | shape
+    #              | protein | graph | einx | torchtune | diffusion
     build: Callable[[], nn.Module]  # tiny and deterministic (seeds itself), in train mode
     batch: Callable[[], dict[str, Any]]  # keyword arguments of one training call, as the library's users give them
     loss: Callable[[Any], torch.Tensor]  # the call's output -> the scalar loss
@@ -46,10 +49,16 @@ def hf_loss(output: Any) -> torch.Tensor:
 
 
 def all_models() -> list[ZooModel]:
-    """Every zoo entry: Hugging Face (if transformers imports), torch's own, and the shapes."""
-    from ckpt_tools.zoo import hf, torch_models
+    """Every zoo entry: Hugging Face (if transformers imports), torch's own, the shapes, the families of issue #33
+    (``families.py``: proteins, graphs, einx, torchtune) and diffusion (``diffusion.py``, where it exists)."""
+    from ckpt_tools.zoo import families, hf, torch_models
 
-    return [*hf.models(), *torch_models.models()]
+    entries = [*hf.models(), *torch_models.models(), *families.models()]
+    if importlib.util.find_spec("ckpt_tools.zoo.diffusion") is not None:  # written beside this one (issue #33)
+        from ckpt_tools.zoo import diffusion
+
+        entries += diffusion.models()
+    return entries
 
 
 __all__ = ["ZooModel", "all_models", "hf_loss"]

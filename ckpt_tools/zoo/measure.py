@@ -10,6 +10,12 @@ stands in for its first step. Asked (``least``), a fourth way: ``ckpt=auto`` wit
 peak is README's "How we measure": each category's maximum over the step,
 recomputation counted as activation. Beside them, the forward's own floor
 (``measure/floor.py``), which no way of checkpointing the model goes below.
+Asked (``budget=0.5``), ``ckpt=auto`` at that budget (``ZooResult.budget``): planned and
+met (MemTracker under the fraction of the peak without checkpointing), or refused
+with the least reachable peak, then planned and run with that peak as its budget in
+bytes; with how much the process's peak resident memory grew while planning, beside
+the step's whole peak (MemTracker's total). A forward fake tensors cannot run is
+refused by name (``NotFakeable``) and has no run.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from ckpt_plugin._compat import hook_count
 from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.engine.wrap import install
 from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import forward_floor
 from ckpt_plugin.measure.memory import step_memory
+from ckpt_tools.workloads import peak_growth
 from ckpt_tools.zoo import ZooModel
 
 
@@ -40,6 +48,25 @@ class Run:
     grads: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     act_peak: int  # bytes, MemTracker's activation category (recomputation included)
+    total_peak: int = 0  # bytes, MemTracker's whole step (parameters, gradients, activations, temporaries)
+
+
+@dataclass
+class BudgetResult:
+    """``ckpt=auto`` at one budget, planned from the model's own training call: met, or refused and run at the least."""
+
+    asked: str  # the budget as typed: "0.5"
+    limit: int = 0  # bytes the step's activation peak must stay under: the fraction of none's, or the refusal's least
+    refused: str | None = None  # None: planned at ``asked``; else "NotFakeable (...)" or "least 0.52" (over none's)
+    least: int | None = None  # the refusal's least reachable peak in bytes (``Problem.least``): the rerun's budget
+    run: Run | None = None  # the step with the plan (at ``asked``, or after a refusal at ``least`` bytes)
+    mismatches: list[str] = field(default_factory=list)  # against the step without checkpointing
+    planning_peak: int | None = None  # bytes the process's peak RSS grew while planning that run (Linux; else None)
+
+    @property
+    def met(self) -> bool:
+        """The run's activation peak (MemTracker) within ``limit``, its step bitwise."""
+        return self.run is not None and self.run.act_peak <= self.limit and not self.mismatches
 
 
 @dataclass
@@ -59,6 +86,7 @@ class ZooResult:
     above: Run | None = None  # ckpt=auto with a budget of ABOVE times min's peak, in bytes (with least)
     above_budget: int = 0
     above_mismatches: list[str] = field(default_factory=list)
+    budget: BudgetResult | None = None  # ckpt=auto at measure(budget=...); None: not asked
 
     @property
     def above_met(self) -> bool:
@@ -116,9 +144,9 @@ def _train(entry: ZooModel, model: nn.Module, compared: bool = True) -> Run:
         with torch.no_grad():
             loss, grads, buffers = entry.loss(model(**entry.batch())).detach(), {}, {}
     _seed(2)
-    peak = step_memory(lambda: entry.step(model), model)["act"]
+    peaks = step_memory(lambda: entry.step(model), model)
     model.zero_grad(set_to_none=True)
-    return Run(loss, grads, buffers, peak)
+    return Run(loss, grads, buffers, peaks["act"], peaks["total"])
 
 
 def _differences(a: Run, b: Run) -> list[str]:
@@ -136,19 +164,49 @@ ABOVE = 1.1  # the budget above min's peak a plan must meet: 10 % more bytes
 def _planned(entry: ZooModel, budget: str) -> Run | None:
     """A step with ``ckpt=auto`` planned for ``budget`` (``layers=auto``) from the model's own training call; None
     where its forward cannot run on fake tensors (refused by name: ``NotFakeable``)."""
-    model = entry.build()
     try:
-        plan = plan_for(model, make_config(layers="auto", mode="auto", budget=budget),
-                        lambda: entry.loss(model(**entry.batch())))
+        return _plan_and_train(entry, budget)[0]
     except NotFakeable:
         return None
+
+
+def _plan_and_train(entry: ZooModel, budget: str) -> tuple[Run, int | None]:
+    """A fresh model planned by ``ckpt=auto`` at ``budget`` (``layers=auto``) from its own training call, then one
+    compared step; and how much the process's peak RSS grew while planning. Raises what planning raises."""
+    model = entry.build()
+    plan, grown = peak_growth(lambda: plan_for(model, make_config(layers="auto", mode="auto", budget=budget),
+                                               lambda: entry.loss(model(**entry.batch()))))
     install(model, plan)
-    return _train(entry, model)
+    return _train(entry, model), grown
 
 
-def measure(entry: ZooModel, least: bool = False) -> ZooResult:
+def at_budget(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
+    """``ckpt=auto ckpt.budget=<fraction>``: met, or refused; a refusal that names the least reachable peak is then
+    planned and run with that peak as the budget in bytes (a value the error says is reachable: it must be met)."""
+    asked = f"{fraction:g}"
+    try:
+        run, grown = _plan_and_train(entry, asked)
+        return _checked(BudgetResult(asked, int(fraction * none.act_peak), run=run, planning_peak=grown), none)
+    except NotFakeable as err:  # reads tensor values: fake tensors have none to give (measure/fake.py)
+        return BudgetResult(asked, refused=f"NotFakeable ({str(err).split('cannot run on them: ', 1)[-1]})")
+    except ConfigError as err:
+        least = next((p.least for p in err.problems if p.least is not None), None)
+        if least is None:
+            raise
+    run, grown = _plan_and_train(entry, f"{least}B")
+    return _checked(BudgetResult(asked, least, f"least {least / none.act_peak:.2f}", least, run, planning_peak=grown),
+                    none)
+
+
+def _checked(result: BudgetResult, none: Run) -> BudgetResult:
+    result.mismatches = _differences(none, result.run)
+    return result
+
+
+def measure(entry: ZooModel, least: bool = False, budget: float | None = None) -> ZooResult:
     """``least``: also train with ``ckpt=auto``'s least peak (``ZooResult.least``), and with a budget 10 % above
-    it (``ZooResult.above``: a budget the planner can reach must be met)."""
+    it (``ZooResult.above``: a budget the planner can reach must be met). ``budget`` (a fraction, 0.5): also
+    ``ckpt=auto`` at it, or at the least peak its refusal names (``ZooResult.budget``, :func:`at_budget`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HF's config notes and "use_cache=False" advice: known here
         plain = _cache_off(entry.build())
@@ -173,9 +231,10 @@ def measure(entry: ZooModel, least: bool = False) -> ZooResult:
         planned = _planned(entry, "min") if least else None
         above_budget = int(ABOVE * planned.act_peak) if planned else 0
         above = _planned(entry, f"{above_budget}B") if planned else None
+        halved = at_budget(entry, budget, none) if budget is not None else None
     return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours), floor,
                      planned, _differences(none, planned) if planned else [], above, above_budget,
-                     _differences(none, above) if above else [])
+                     _differences(none, above) if above else [], halved)
 
 
-__all__ = ["Run", "ZooResult", "measure"]
+__all__ = ["BudgetResult", "Run", "ZooResult", "at_budget", "measure"]
