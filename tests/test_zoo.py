@@ -2,7 +2,9 @@
 
 For every model (43 Hugging Face architectures from tiny configs; torch's and
 Lightning's transformers; the nesting shapes of timm and torchvision, which
-cannot be installed beside this torch): auto chooses the units the library
+cannot be installed beside this torch; issue #33's families: fair-esm's ESM2,
+torch_geometric's GCN, GAT and GraphSAGE, x-transformers' einx stacks,
+torchtune's Llama 3, and diffusers' models): auto chooses the units the library
 checkpoints itself (or its repeated layer where it has none); loss, every
 gradient and every buffer are bitwise those without checkpointing; names are
 unchanged; ``remove_checkpointing`` puts every forward and hook back; the
@@ -29,6 +31,7 @@ def test_the_zoo_covers_the_families() -> None:
         families[entry.family] = families.get(entry.family, 0) + 1
     assert sum(n for f, n in families.items() if f not in ("torch", "shape")) >= 25
     assert {"decoder", "encoder", "encoder-decoder", "moe", "state-space", "vision", "audio"} <= families.keys()
+    assert {"protein", "graph", "einx", "torchtune", "diffusion"} <= families.keys()  # issue #33
 
 
 @pytest.mark.parametrize("name", ZOO)

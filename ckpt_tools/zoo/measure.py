@@ -182,13 +182,12 @@ def _plan_and_train(entry: ZooModel, budget: str) -> tuple[Run, int | None]:
 
 def at_budget(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
     """``ckpt=auto ckpt.budget=<fraction>``: met, or refused; a refusal that names the least reachable peak is then
-    planned and run with that peak as the budget in bytes (a value the error says is reachable: it must be met)."""
+    planned and run with that peak as the budget in bytes (a value the error says is reachable: it must be met).
+    Raises ``NotFakeable`` where the forward cannot run on fake tensors (:func:`measure` says so in a row)."""
     asked = f"{fraction:g}"
     try:
         run, grown = _plan_and_train(entry, asked)
         return _checked(BudgetResult(asked, int(fraction * none.act_peak), run=run, planning_peak=grown), none)
-    except NotFakeable as err:  # reads tensor values: fake tensors have none to give (measure/fake.py)
-        return BudgetResult(asked, refused=f"NotFakeable ({str(err).split('cannot run on them: ', 1)[-1]})")
     except ConfigError as err:
         least = next((p.least for p in err.problems if p.least is not None), None)
         if least is None:
@@ -196,6 +195,13 @@ def at_budget(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
     run, grown = _plan_and_train(entry, f"{least}B")
     return _checked(BudgetResult(asked, least, f"least {least / none.act_peak:.2f}", least, run, planning_peak=grown),
                     none)
+
+
+def _at_budget_or_refused(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
+    try:
+        return at_budget(entry, fraction, none)
+    except NotFakeable as err:  # reads tensor values fake tensors have none of (measure/fake.py): a row says so
+        return BudgetResult(f"{fraction:g}", refused=f"NotFakeable ({str(err).split('cannot run on them: ', 1)[-1]})")
 
 
 def _checked(result: BudgetResult, none: Run) -> BudgetResult:
@@ -231,7 +237,7 @@ def measure(entry: ZooModel, least: bool = False, budget: float | None = None) -
         planned = _planned(entry, "min") if least else None
         above_budget = int(ABOVE * planned.act_peak) if planned else 0
         above = _planned(entry, f"{above_budget}B") if planned else None
-        halved = at_budget(entry, budget, none) if budget is not None else None
+        halved = _at_budget_or_refused(entry, budget, none) if budget is not None else None
     return ZooResult(entry, note, wrapped, none, ours, own, names_kept, restored, _differences(none, ours), floor,
                      planned, _differences(none, planned) if planned else [], above, above_budget,
                      _differences(none, above) if above else [], halved)

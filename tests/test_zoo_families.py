@@ -1,0 +1,70 @@
+"""``ckpt=auto ckpt.budget=0.5`` on issue #33's families (``ckpt_tools/zoo/families.py``), and the table's columns.
+
+``layers=auto`` on each of them (the classes chosen, exactly the library's own
+units; the step bitwise; names kept; ``remove_checkpointing`` exact) is
+``tests/test_zoo.py``'s, which runs every zoo entry. Here, one model per family
+is planned by ``ckpt=auto`` at half the activation peak without checkpointing
+from its own training call: the budget is met, or refused naming the least
+reachable peak, and that peak, typed back as the budget in bytes, is met; the
+step bitwise either way. ESM2 (``padding_mask.any()``) and torch_geometric
+(``nonzero`` in its message passing) read tensor values in their forward: until
+planning runs such forwards (``ckpt_plugin/measure/values.py``) they are
+refused with ``NotFakeable``, an expected failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from ckpt_plugin.measure.fake import NotFakeable
+from ckpt_tools.zoo import all_models
+from ckpt_tools.zoo.measure import _cache_off, _train, at_budget
+
+ZOO = {entry.name: entry for entry in all_models()}
+
+# Planning a forward that reads values is being written beside this (measure/values.py); until it is in the tree,
+# these models' ckpt=auto is refused by name. Strict: the day it lands, the marker must go.
+READS_VALUES = pytest.mark.xfail(importlib.util.find_spec("ckpt_plugin.measure.values") is None, strict=True,
+                                 raises=NotFakeable, reason="forward reads tensor values; fake tensors have none")
+
+
+@pytest.mark.parametrize("name, refused", [
+    pytest.param("esm.esm2", False, marks=READS_VALUES),
+    pytest.param("pyg.gat", True, marks=READS_VALUES),
+    ("xt.encoder", True),  # four small units (Attention, FeedForward): the least reachable is 0.52 of none's
+])
+def test_auto_at_half_the_peak_is_met_or_its_least_is(name: str, refused: bool) -> None:
+    entry = ZOO[name]
+    none = _train(entry, _cache_off(entry.build()))
+    result = at_budget(entry, 0.5, none)
+    assert (result.refused is not None) == refused, result.refused
+    if refused:  # the refusal's least, typed back in bytes, is the limit the step is held to
+        assert result.least == result.limit and result.least < none.act_peak
+    else:
+        assert result.limit == int(0.5 * none.act_peak)
+    assert result.mismatches == []  # loss, every gradient and buffer bitwise those without checkpointing
+    assert result.run.act_peak <= result.limit, (result.run.act_peak, result.limit)
+    assert result.met
+
+
+def test_the_table_prints_units_ratios_and_the_budget(capsys: pytest.CaptureFixture) -> None:
+    """``python -m ckpt_tools.zoo --budget torchtune.llama3``: auto's unit is torchtune's own
+    (``TransformerSelfAttentionLayer``, what ``set_activation_checkpointing`` wraps), bitwise, as low as torchtune's
+    own checkpointing; ``ckpt.budget=0.5`` met, with the step's whole peak and planning's beside it."""
+    from ckpt_tools.zoo.__main__ import main
+
+    assert main(["--budget", "torchtune.llama3"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("torchtune.llama3"))
+    cells = row.split()
+    assert cells[1:6] == ["torchtune", "TransformerSelfAttentionLayer", "=", "2", "yes"]  # units, wrapped, bitwise
+    sizes = re.findall(r"([\d.]+) (B|KiB|MiB)", row)
+    assert len(sizes) == 6  # none, ours, own, floor, the step's whole peak, planning's (RSS growth: may be 0 B)
+    none, ours, own = (float(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[u] for n, u in sizes[:3])
+    assert ours == own < none  # the same two layers checkpointed: the same peak, printed rounded
+    assert row.endswith("  met") and float(cells[-6]) <= 0.5  # ckpt.budget=0.5: the step's /none, then the outcome
+    assert "auto chose the library's own units on 1 of 1" in out
+    assert "ckpt=auto ckpt.budget=0.5: met on 1 of 1; refused with a reachable least on 0" in out
