@@ -273,6 +273,83 @@ def test_declared_no_split_modules_only_when_the_structure_has_no_block() -> Non
     assert resolve_layers(with_blocks, "auto")[0] == ("Block",)
 
 
+class CrossBlock(nn.Module):
+    """diffusers' BasicTransformerBlock: attn1, norm2, attn2, ff; two numbered parts of one block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn1, self.norm2, self.attn2 = nn.LayerNorm(8), Block(), nn.LayerNorm(8), Block()
+        self.ff = Other()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(self.attn2(self.norm2(self.attn1(self.norm1(x)))))
+
+
+def test_two_numbered_parts_apart_are_no_series() -> None:
+    # Issue #33: attn1 and attn2 had made the block a stage, and auto wrapped the attentions (PixArt: 2.59x
+    # diffusers' peak). Two numbered apart are parts of one block; side by side (RegNet's b1, b2) a series.
+    model = nn.Sequential(nn.Linear(8, 8), CrossBlock(), CrossBlock())
+    assert resolve_layers(model, "auto") == (
+        ("CrossBlock",), "ckpt.layers=auto chose CrossBlock (repeated blocks): 2 modules")
+    assert select_layers(nn.Sequential(Stage(2), Stage(2)), "auto") == ["0.b1", "0.b2", "1.b1", "1.b2"]
+
+
+class _Caller(nn.Module):
+    """A module diffusers' enable_gradient_checkpointing() switches on: a boolean ``gradient_checkpointing``."""
+
+    def __init__(self, **children: nn.Module) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+        self.gradient_checkpointing = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class PixArtLike(_Caller):
+    _supports_gradient_checkpointing = True  # ModelMixin's flag: read by name, diffusers is never imported
+
+
+class TransformerLike(PixArtLike):
+    """A diffusers model inside a UNet block (Transformer2DModel): it checkpoints its own blocks."""
+
+
+DownLike, MidLike, CoderLike = (type(name, (_Caller,), {}) for name in ("DownLike", "MidLike", "CoderLike"))
+
+
+def test_diffusers_checkpointing_callers_choose_the_blocks() -> None:
+    # The model itself checkpoints its blocks; its one-off embedder (Wide: two weighted layers) runs outside.
+    model = PixArtLike(embed=Wide(), blocks=nn.ModuleList([CrossBlock(), CrossBlock()]))
+    assert resolve_layers(model, "auto") == (
+        ("CrossBlock",), "ckpt.layers=auto chose CrossBlock (diffusers gradient_checkpointing): 2 modules")
+    # A UNet's down blocks checkpoint their resnets, the Transformer2DModel beside them its own blocks;
+    # a VAE's Encoder and Decoder their blocks and their mid block whole (outermost: not its resnets again).
+    def down() -> nn.Module:
+        return DownLike(resnets=nn.ModuleList([Block()]), attentions=nn.ModuleList([
+            TransformerLike(proj_in=nn.Linear(8, 8), transformer_blocks=nn.ModuleList([CrossBlock()]))]))
+
+    def coder() -> nn.Module:
+        return CoderLike(conv_in=nn.Linear(8, 8), blocks=nn.ModuleList([Block(), Block()]),
+                         mid=MidLike(resnets=nn.ModuleList([Block(), Block()]), attn=Other()))
+
+    class UNetAndVAE(nn.Module):
+        _supports_gradient_checkpointing = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.time_embedding = Wide()  # no caller holds it
+            self.down = nn.ModuleList([down(), down()])
+            self.encoder, self.decoder = coder(), coder()
+
+    assert resolve_layers(UNetAndVAE(), "auto") == (("Block", "CrossBlock", "MidLike"), (
+        "ckpt.layers=auto chose Block, CrossBlock, MidLike (diffusers gradient_checkpointing): 10 modules"))
+    assert select_layers(UNetAndVAE(), "auto") == [
+        "down.0.resnets.0", "down.0.attentions.0.transformer_blocks.0",
+        "down.1.resnets.0", "down.1.attentions.0.transformer_blocks.0",
+        "encoder.blocks.0", "encoder.blocks.1", "encoder.mid", "decoder.blocks.0", "decoder.blocks.1", "decoder.mid"]
+
+
 def test_no_repeated_block_is_an_error_naming_what_was_looked_for() -> None:
     class Net(nn.Module):
         def __init__(self) -> None:

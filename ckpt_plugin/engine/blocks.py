@@ -8,6 +8,15 @@ Rules, tried in turn; the first that finds anything decides:
    checkpoints exactly those). Every marked module is a block, the innermost
    ones where marked modules nest (Swin marks each stage *and* each layer in
    it: the layers). Read from class names, so transformers is never imported.
+   A diffusers model (its class sets ``_supports_gradient_checkpointing``)
+   marks the *callers* instead: ``enable_gradient_checkpointing()`` sets the
+   boolean ``gradient_checkpointing`` on every module that has one, and those
+   run some of their children through ``self._gradient_checkpointing_func``
+   (``ModelMixin._set_gradient_checkpointing``). The children so called are
+   the repeated blocks among such a caller's children (see
+   :func:`_diffusers_blocks`), outermost where they nest: the VAE's Encoder
+   checkpoints its mid block whole, the mid block its resnets again inside.
+   Read from attribute names, so diffusers is never imported.
 2. **The repeated blocks of the structure**, for any other model. The model
    is walked from its root, looking through the containers whose forward
    only runs their children in turn (``nn.Sequential``, ``nn.ModuleList``,
@@ -17,7 +26,10 @@ Rules, tried in turn; the first that finds anything decides:
    layers with weights of their own (norms aside: a conv-norm-act is a piece
    of a block), and a sibling of its class in one series: in a container,
    numbered children of one name (RegNet's ``b1``, ``b2``; DenseNet's
-   ``denselayer1``...), or right beside it. A block that itself holds a
+   ``denselayer1``...), or right beside it. Two numbered children apart
+   (``attn1``, ``norm2``, ``attn2`` in diffusers' ``BasicTransformerBlock``)
+   are two parts of one block, not a series: a numbered series is three or
+   more, or two side by side. A block that itself holds a
    series of blocks is a *stage* (a Swin stage, a RegNet stage, a dense
    block) and is walked into. Every block found, in every stack (encoder
    *and* decoder), is chosen.
@@ -45,6 +57,7 @@ from torch import nn
 from ckpt_plugin.errors import Problem
 
 HF_MARK = "GradientCheckpointingLayer"  # transformers.modeling_layers: HF's own checkpointing unit
+DIFFUSERS_MARK = "_supports_gradient_checkpointing"  # diffusers' ModelMixin: enable_gradient_checkpointing() works
 _STACKS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
@@ -90,12 +103,18 @@ def _siblings(parent: nn.Module) -> list[_Sibling]:
     return found
 
 
-def _series(a: _Sibling, b: _Sibling) -> bool:
-    """Two siblings of one class that are one series: in a container, or numbered children of one name."""
+def _series(siblings: list[_Sibling], i: int, j: int) -> bool:
+    """Siblings ``i`` and ``j`` (of one class) are one series: in a container, or numbered children of one
+    name, three or more of them or two side by side (RegNet's ``b1``, ``b2``). Two numbered apart are
+    parts of one block: ``attn1``, ``norm2``, ``attn2`` in diffusers' ``BasicTransformerBlock``."""
+    a, b = siblings[i], siblings[j]
     if a.stacked and b.stacked:
         return True
     na, nb = a.numbered(), b.numbered()
-    return na is not None and nb is not None and na[0] == nb[0]
+    if na is None or nb is None or na[0] != nb[0]:
+        return False
+    named = sum(1 for o in siblings if (n := o.numbered()) is not None and n[0] == na[0])
+    return named >= 3 or abs(i - j) == 1
 
 
 def _units(siblings: list[_Sibling], weighted: int = 1) -> list[int]:
@@ -107,7 +126,7 @@ def _units(siblings: list[_Sibling], weighted: int = 1) -> list[int]:
         if not has_forward(m) or next(m.children(), None) is None or _layers_with_weights(m) < weighted:
             continue
         same = [j for j, o in enumerate(siblings) if j != i and type(o.module) is type(m)]
-        if any(_series(s, siblings[j]) or abs(j - i) == 1 for j in same):
+        if any(_series(siblings, i, j) or abs(j - i) == 1 for j in same):
             out.append(i)
     return out
 
@@ -125,8 +144,9 @@ def _is_stage(module: nn.Module) -> bool:
     """A unit holding a series of two or more blocks of one class (blocks: two or more weighted
     layers each; a series of conv-norm-acts is the inside of a block, not a stage)."""
     siblings = _siblings(module)
-    units = [siblings[i] for i in _units(siblings, weighted=2)]
-    return any(type(a.module) is type(b.module) and _series(a, b) for k, a in enumerate(units) for b in units[k + 1:])
+    units = _units(siblings, weighted=2)
+    return any(type(siblings[i].module) is type(siblings[j].module) and _series(siblings, i, j)
+               for k, i in enumerate(units) for j in units[k + 1:])
 
 
 def _structural_blocks(parent: nn.Module, weighted: int) -> Iterator[nn.Module]:
@@ -166,6 +186,55 @@ def _marked(model: nn.Module) -> list[nn.Module]:
                        if n and any(c.__name__ == HF_MARK for c in type(m).__mro__)])
 
 
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[nn.Module]:
+    """The modules of ``found`` (qualified name, module) held by none of the others."""
+    names = [n for n, _ in found]
+    return [m for n, m in found if not any(n.startswith(o + ".") for o in names)]
+
+
+def _diffusers_model(module: nn.Module) -> bool:
+    """A diffusers model that can checkpoint itself (``ModelMixin``'s ``_supports_gradient_checkpointing``;
+    transformers spells its flag without the underscore)."""
+    return getattr(type(module), DIFFUSERS_MARK, False) is True
+
+
+def _diffusers_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules diffusers' ``enable_gradient_checkpointing()`` runs through its checkpointing function.
+
+    It switches on every module of a diffusers model that has a boolean ``gradient_checkpointing``
+    (``ModelMixin._set_gradient_checkpointing``); each such *caller* checkpoints some of its children
+    in its forward. Which ones is written only in that forward, so they are read from the structure
+    (checked against diffusers 0.42 on UNet2DConditionModel, DiT, PixArt, SD3, Flux and AutoencoderKL:
+    ``ckpt_tools/zoo/diffusion.py``): a caller's children (through containers) with a forward and
+    two or more weighted layers, of a class found twice or more among all callers' children. A
+    model's one-off embedders (PixArt's ``adaln_single`` and ``caption_projection``, SD3's
+    ``time_text_embed``) run outside the checkpoints; a nested diffusers model (the
+    ``Transformer2DModel`` in a UNet's cross-attention block) checkpoints its own blocks, not being
+    checkpointed by its caller. Outermost where they nest: the VAE's Encoder checkpoints its mid
+    block whole (the mid block's ``Attention`` runs inside that checkpoint, not one of its own).
+    """
+    callers: dict[str, nn.Module] = {}
+    for root_name, root in model.named_modules():
+        if _diffusers_model(root):
+            for name, module in root.named_modules(prefix=root_name):
+                if isinstance(getattr(module, "gradient_checkpointing", None), bool):
+                    callers[name] = module
+    if not callers:
+        return []
+    ids = {id(m): n for n, m in model.named_modules()}
+    found: dict[str, nn.Module] = {}
+    for caller in callers.values():
+        for s in _siblings(caller):
+            m = s.module
+            if has_forward(m) and not _diffusers_model(m) and _layers_with_weights(m) >= 2:
+                found[ids[id(m)]] = m
+    counts: dict[type, int] = {}
+    for m in found.values():
+        counts[type(m)] = counts.get(type(m), 0) + 1
+    ordered = [(n, m) for n, m in model.named_modules() if n in found and counts[type(m)] >= 2]
+    return _outermost(ordered)
+
+
 def _declared_no_split(model: nn.Module) -> list[str]:
     """The class names Hugging Face models in ``model`` declare in ``_no_split_modules``, in model order."""
     declared: dict[str, None] = {}
@@ -184,11 +253,14 @@ def _classes(modules: list[nn.Module]) -> tuple[str, ...]:
 
 def find_blocks(model: nn.Module) -> tuple[tuple[str, ...], str] | Problem:
     """The class names of ``model``'s blocks and which rule found them (``"HF GradientCheckpointingLayer"``,
-    ``"repeated blocks"``, ``"a block alone in a ModuleList/Sequential"``, ``"repeated layers"``,
-    ``"HF _no_split_modules"``), or the Problem saying nothing repeats."""
+    ``"diffusers gradient_checkpointing"``, ``"repeated blocks"``, ``"a block alone in a ModuleList/Sequential"``,
+    ``"repeated layers"``, ``"HF _no_split_modules"``), or the Problem saying nothing repeats."""
     marked = _marked(model)
     if marked:
         return _classes(marked), f"HF {HF_MARK}"
+    called = _diffusers_blocks(model)
+    if called:
+        return _classes(called), "diffusers gradient_checkpointing"
     blocks = list(_structural_blocks(model, weighted=2))
     if blocks:
         return _classes(blocks), "repeated blocks"

@@ -15,7 +15,8 @@ posterior sample drawn with a seeded generator, so that two runs are bitwise).
 
 ``own`` is diffusers' ``model.enable_gradient_checkpointing()``; ``units`` the
 classes it then calls through ``self._gradient_checkpointing_func``, found by
-running it. Where diffusers checkpoints inside a module it already checkpoints
+running it, in model order (a UNet block registers its attentions before its
+resnets). Where diffusers checkpoints inside a module it already checkpoints
 (the VAE's mid block, then its ``ResnetBlock2D`` s again inside it), the outer
 one: the inner checkpoints run only within the outer one's recomputation.
 """
@@ -141,7 +142,7 @@ def models() -> list[ZooModel]:
     return [
         # Stable Diffusion 1.x/2.x: diffusers checkpoints each down/up block's resnets and, inside each
         # Transformer2DModel, its BasicTransformerBlocks (not the Transformer2DModel itself)
-        _entry("unet2d_condition", ("ResnetBlock2D", "BasicTransformerBlock"), unet_batch, noise_loss,
+        _entry("unet2d_condition", ("BasicTransformerBlock", "ResnetBlock2D"), unet_batch, noise_loss,
                lambda: d.UNet2DConditionModel(
                    sample_size=SIDE, in_channels=C, out_channels=C, block_out_channels=(WIDTH, WIDTH),
                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
