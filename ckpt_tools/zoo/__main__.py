@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             peaks = [r.none, r.ours, *([r.least] if r.least else [])]
             floors.append((entry.name, r.floor, min(run.act_peak for run in peaks)))
     print(f"{len(entries)} models; the largest ours/own: {worst:.3f}; auto chose the library's own units on "
-          f"{sum(_units_same(r) for r in results)} of {len(results)}" + (f"; FAILED: {', '.join(failed)}" * bool(failed)))
+          f"{sum(_units_same(r) for r in results)} of {len(results)}"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     if least:
         planned = [r for r in results if r.least is not None]
         exact = sum(not r.least_mismatches for r in planned)
@@ -112,7 +113,8 @@ def _budget_columns(b: BudgetResult, r: ZooResult) -> str:
     if b.run is None:
         return f"{'-':>7}{'-':>11}{'-':>11}  refused: {b.refused}"
     mark = "" if not b.mismatches else " NOT BITWISE"
-    outcome = ("met" if b.met else "NO") if b.refused is None else f"refused ({b.refused}), then {'met' if b.met else 'NOT met'}"
+    verdict = "met" if b.met else ("NO" if b.refused is None else "NOT met")
+    outcome = verdict if b.refused is None else f"refused ({b.refused}), then {verdict}"
     planning = format_bytes(b.planning_peak) if b.planning_peak is not None else "-"
     return (f"{b.run.act_peak / r.none.act_peak:>7.3f}{format_bytes(b.run.total_peak):>11}{planning:>11}"
             f"  {outcome}{mark}")
