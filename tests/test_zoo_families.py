@@ -26,6 +26,7 @@ from ckpt_tools.zoo import all_models
 from ckpt_tools.zoo.measure import _cache_off, _train, at_budget
 
 ZOO = {entry.name: entry for entry in all_models()}
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second intra-op thread only waits (conftest)
 
 # Planning a forward that reads values is being written beside this (measure/values.py); until it is in the tree,
 # these models' ckpt=auto is refused by name. Strict: the day it lands, the marker must go.
