@@ -45,6 +45,7 @@ from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import Floor, forward_floor
 from ckpt_plugin.measure.memory import REST, SavedBytes, side_effect_free
 from ckpt_plugin.measure.report import StepMeasure, measure_step, on_fake_model
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.units import format_bytes
 
 
@@ -106,8 +107,8 @@ def inspect_step(
 
     ``fake=True``: every step runs on fake tensors (``_on_fake_model``),
     whatever the batch, for almost no memory; the bytes, FLOPs and peaks are
-    those of real steps. A step that reads tensor values raises
-    :class:`~ckpt_plugin.measure.fake.NotFakeable`. ``fake=False`` runs real steps.
+    those of real steps; a step that reads tensor values replays what one real forward without autograd
+    read (``measure/values.py``). ``fake=False`` runs real steps.
     """
     config = make_config(**ckpt_keys)
     remove_checkpointing(model)
@@ -122,19 +123,23 @@ def inspect_step(
             total, by_name = _flops_by_module(step, type(model).__name__, names)
         return measured, total, by_name
 
-    names = apply_config(model, config)  # checks the config against the model first
-    remove_checkpointing(model)
-    without, f0, by0 = measure(names)
-    apply_config(model, config)
-    try:
-        with_ckpt, f1, by1 = measure(names)
-    finally:
+    def inspected() -> Inspection:
+        names = apply_config(model, config)  # checks the config against the model first
         remove_checkpointing(model)
-    recompute = {n: by1[n] - by0[n] for n in names}
-    recompute[REST] = (f1 - f0) - sum(recompute.values())
-    floor = forward_floor(model, step_loss, fake=fake)
-    return Inspection(type(model).__name__, names, without.kept, with_ckpt.kept, recompute, (f0, f1),
-                      (without.peaks, with_ckpt.peaks), floor)
+        without, f0, by0 = measure(names)
+        apply_config(model, config)
+        try:
+            with_ckpt, f1, by1 = measure(names)
+        finally:
+            remove_checkpointing(model)
+        recompute = {n: by1[n] - by0[n] for n in names}
+        recompute[REST] = (f1 - f0) - sum(recompute.values())
+        floor = forward_floor(model, step_loss, fake=fake)
+        return Inspection(type(model).__name__, names, without.kept, with_ckpt.kept, recompute, (f0, f1),
+                          (without.peaks, with_ckpt.peaks), floor)
+
+    # a step that reads values: its fake runs replay what one real step without autograd read
+    return with_values_replayed(model, step_loss, inspected) if fake else inspected()
 
 
 OmegaConf.register_new_resolver("config_groups", config_groups, replace=True)  # --help: inspect.yaml's hydra.help

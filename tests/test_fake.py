@@ -20,7 +20,7 @@ from ckpt_plugin import apply_checkpointing
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import NotFakeable, on_fake_tensors
 from ckpt_plugin.measure.memory import saved_bytes, side_effect_free
-from ckpt_plugin.measure.report import wrap_report
+from ckpt_plugin.measure.report import measure_step, wrap_report
 from ckpt_plugin.planning.options import FULL
 from ckpt_plugin.planning.profile import profile
 from tests.conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
@@ -144,14 +144,17 @@ class ReadsValues(nn.Module):
         return self.inner(x)
 
 
-def test_a_forward_that_reads_values_is_named_not_measured_for_real():
+def test_a_forward_that_reads_values_is_measured_on_fake_tensors_as_real_ones_count():
+    """The branch on ``.item()`` is answered from one forward without autograd (``measure/values.py``)."""
     model = ReadsValues()
     wrapped = apply_checkpointing(model, layers="inner*")
-    with pytest.raises(NotFakeable, match=re.escape("The activation report runs ReadsValues on fake tensors "
-                                                    "(shapes only, no memory) and its forward cannot run on them: ")):
-        wrap_report(model, wrapped, lambda: model(torch.ones(2, 4)))
-    with pytest.raises(NotFakeable, match=re.escape("ckpt=auto's profile runs ReadsValues on fake tensors")):
-        profile(model, wrapped, lambda: model(torch.ones(2, 4)).sum())
+    for x in (torch.ones(2, 4), -torch.ones(2, 4)):  # both branches
+        fake, real = (measure_step(model, lambda: model(x), wrapped, fake=f) for f in (True, False))
+        assert (fake.kept, fake.peaks) == (real.kept, real.peaks)
+        with checkpointing_disabled(model):
+            fake, real = (measure_step(model, lambda: model(x), wrapped, fake=f) for f in (True, False))
+        assert (fake.kept, fake.peaks) == (real.kept, real.peaks)
+    assert [layer.name for layer in profile(model, wrapped, lambda: model(torch.ones(2, 4)).sum()).layers] == wrapped
 
 
 def test_on_fake_tensors_passes_other_errors_through():

@@ -37,7 +37,14 @@ from ckpt_plugin._compat.dynamo import (
     recompile_limit_hit,
     tracing_for_compile,
 )
-from ckpt_plugin._compat.fake import fake_tensor_mode, is_fake, raised_by_fake_tensors
+from ckpt_plugin._compat.fake import (
+    fake_read_error,
+    fake_tensor_mode,
+    in_backward,
+    is_fake,
+    raised_by_fake_tensors,
+    reads_values,
+)
 from ckpt_plugin._compat.hooks import (
     global_hook_count,
     hook_count,
@@ -77,10 +84,12 @@ __all__ = [
     "compiled_by_user",
     "compiler_backend",
     "early_stop_in_force",
+    "fake_read_error",
     "fake_tensor_mode",
     "forget_compiled",
     "global_hook_count",
     "hook_count",
+    "in_backward",
     "is_fake",
     "is_mutable",
     "keystr",
@@ -90,9 +99,10 @@ __all__ = [
     "open_region",
     "outer_saved_tensors_hooks",
     "raised_by_fake_tensors",
-    "recomputable",
+    "reads_values",
     "recompile_limit",
     "recompile_limit_hit",
+    "recomputable",
     "register_module_forward_hook",
     "register_module_forward_pre_hook",
     "saved_tensors_hooks_depth",

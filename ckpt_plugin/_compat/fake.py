@@ -9,15 +9,18 @@ from typing import Any
 import torch
 
 
-def fake_tensor_mode() -> Any:
+def fake_tensor_mode(replay: Any = None) -> Any:
     """A ``FakeTensorMode`` (private: ``torch._subclasses``) in which real tensors may take part.
 
     Inside it ops make fake tensors: shapes, dtypes, devices and storage sizes
     are the real ones, nothing is allocated and no kernel runs. Real
     parameters, buffers and inputs are converted on use, so a model and its
-    sample batch run as they are.
+    sample batch run as they are. ``replay`` (``measure/values.py``'s ``Replay``)
+    answers the ops that read values (:func:`reads_values`) where fake tensors cannot.
     """
-    return _fake_mode_class()(allow_non_fake_inputs=True)
+    mode = _fake_mode_class()(allow_non_fake_inputs=True)
+    mode.replay = replay
+    return mode
 
 
 @functools.cache
@@ -35,7 +38,22 @@ def _fake_mode_class() -> type:
         given the inputs' dtype.
         """
 
+        replay: Any = None
+
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if self.replay is not None and self.replay.reads(func):
+                kwargs = kwargs or {}
+                return self.replay.answer(func, args, kwargs,
+                                          functools.partial(self._dispatch, func, types, args, kwargs), self._empty)
+            return self._dispatch(func, types, args, kwargs)
+
+        def _empty(self, answer: Any) -> Any:
+            """A fake tensor of a recorded answer's shape, strides, dtype and device (its values: none)."""
+            return FakeTensorMode.__torch_dispatch__(
+                self, torch.ops.aten.empty_strided.default, (), (answer.shape, answer.stride),
+                {"dtype": answer.dtype, "device": answer.device})
+
+        def _dispatch(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
                 dtype = args[0].dtype
                 cast = tuple(a.to(torch.bfloat16) if i < 2 else a for i, a in enumerate(args))
@@ -43,6 +61,31 @@ def _fake_mode_class() -> type:
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return _FakeTensorMode
+
+
+# Ops that read their inputs' values, beyond those torch tags (``data_dependent_output``: a number
+# from a tensor; ``dynamic_output_shape``: a shape that depends on values, as ``nonzero``'s): a
+# tensor's truth (``if mask.any():``) is ``is_nonzero``, untagged.
+_READS_UNTAGGED = ("aten::is_nonzero",)
+
+
+def reads_values(func: Any) -> bool:
+    """``func`` (an op overload) answers from its inputs' values: a number, or a shape that depends on them."""
+    tags = getattr(func, "tags", ())
+    return (torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags
+            or func.name() in _READS_UNTAGGED)
+
+
+def fake_read_error(err: BaseException) -> bool:
+    """``err`` is fake tensors' refusal to read a value (a number, or a shape that depends on values)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return isinstance(err, (DataDependentOutputException, DynamicOutputShapeException))
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (its engine's graph task, private)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def is_fake(t: Any) -> bool:

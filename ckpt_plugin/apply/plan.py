@@ -26,8 +26,10 @@ from ckpt_plugin.config.values import backend_of
 from ckpt_plugin.engine.plan import EachLayer, Segments, WrapPlan
 from ckpt_plugin.engine.selection import resolve_layers, select_layers
 from ckpt_plugin.engine.wrap import check_plan
-from ckpt_plugin.errors import Problem, raise_problems
+from ckpt_plugin.errors import ConfigError, Problem, raise_problems
+from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.sample import example_forward
+from ckpt_plugin.measure.values import with_values_replayed
 
 
 def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> WrapPlan:
@@ -47,7 +49,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     note = note or ""
     names = select_layers(model, layers, config.every_n)
     if isinstance(config, AutoConfig):
-        return auto_plan(given, model, config, names, forward or sample_forward(model), note)
+        forward = forward or sample_forward(model)
+        return planned(model, forward, "ckpt.mode", lambda: auto_plan(given, model, config, names, forward, note))
     segments = getattr(config, "segments", None)
     if segments is None:
         backend = backend_of(config.compile)
@@ -66,9 +69,25 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         forward = forward or sample_forward(model, "ckpt.segments", "ckpt.segments=optimal")
     elif forward is None and getattr(model, "example_input_array", None) is not None:
         forward = example_forward(model)
-    if forward is not None:
+    if forward is None:
+        return plan
+
+    def checked() -> WrapPlan:
         raise_problems(chain_problems(model, names, forward), "ckpt.segments")
-    return optimal_plan(model, config, names, forward, note) if optimal else plan
+        return optimal_plan(model, config, names, forward, note) if optimal else plan
+
+    return planned(model, forward, "ckpt.segments", checked)
+
+
+def planned(model: nn.Module, forward: Callable[[], Any], key: str, plan: Callable[[], WrapPlan]) -> WrapPlan:
+    """``plan()``, whose measurements on fake tensors share one record of what ``forward`` reads from values
+    (``measure/values.py``); a forward that still cannot run on them is the config's to change: a ConfigError."""
+    try:
+        return with_values_replayed(model, forward, plan)
+    except NotFakeable as err:
+        fixed = "ckpt=full, selective or offload with the same ckpt.layers" if key == "ckpt.mode" else \
+            "ckpt.segments=<a number> (no profile)"
+        raise ConfigError([Problem(key, str(err), f"a fixed mode needs no measurement: {fixed}")]) from err
 
 
 def sample_forward(model: nn.Module, key: str = "ckpt.mode", who: str = "ckpt=auto") -> Callable[[], Any]:

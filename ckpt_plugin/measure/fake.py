@@ -15,9 +15,12 @@ converted on use. Buffers a forward updates in place (BatchNorm's running
 statistics) and the RNG are restored afterwards; gradients that a measured
 backward would leave on the parameters (fake ones) are put back as they were.
 
-What cannot run on fake tensors (a forward that reads a value with
-``.item()`` or branches on data) raises :class:`NotFakeable`, naming the
-model and the cause, so that the caller can say what it skipped.
+A forward that reads values (``.item()``, a branch on data, ``nonzero``)
+runs too, inside :func:`~ckpt_plugin.measure.values.with_values_replayed`: the
+fake run replays what a real forward without autograd read
+(``measure/values.py``). What still cannot run on fake tensors raises
+:class:`NotFakeable`, naming the model, the op and where, so that the caller
+can say what it skipped, or refuse.
 """
 
 from __future__ import annotations
@@ -29,12 +32,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import fake_tensor_mode, raised_by_fake_tensors
+from ckpt_plugin._compat import fake_read_error, fake_tensor_mode, raised_by_fake_tensors
 from ckpt_plugin.measure.memory import side_effect_free
+from ckpt_plugin.measure.values import UnreplayableRead, active_replay
 
 
 class NotFakeable(RuntimeError):
-    """The model's forward cannot run on fake tensors (it reads values, not only shapes)."""
+    """The model's forward cannot run on fake tensors (it reads values, not only shapes).
+
+    ``reads_values``: it stopped on a read that a recorded forward may answer
+    (``measure/values.py``), not on an op fake tensors cannot run at all.
+    """
+
+    def __init__(self, message: str, reads_values: bool = False) -> None:
+        super().__init__(message)
+        self.reads_values = reads_values
 
 
 @contextlib.contextmanager
@@ -52,14 +64,16 @@ def fake_measurement(model: nn.Module, what: str) -> Iterator[Any]:
         # dynamo does not trace under a dispatch mode (with fullgraph=True it raises), and a graph of
         # fake tensors would be one real tensors never use.
         with torch.compiler.set_stance("force_eager"):
-            yield fake_tensor_mode()
+            yield fake_tensor_mode(active_replay(model))
     except (NotImplementedError, RuntimeError) as err:
         if isinstance(err, NotFakeable) or not _from_fake_tensors(err):
             raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        unmet = next((e for e in _chain(err) if isinstance(e, UnreplayableRead)), None)
+        first = str(unmet or err).strip().splitlines()[0] if str(unmet or err).strip() else ""
         raise NotFakeable(
             f"{what} runs {type(model).__name__} on fake tensors (shapes only, no memory) and its forward "
-            f"cannot run on them: {type(err).__name__}: {first}"
+            f"cannot run on them: {type(unmet or err).__name__}: {first}",
+            reads_values=unmet is None and any(fake_read_error(e) for e in _chain(err)),
         ) from err
     finally:
         for p, g in grads.items():
@@ -75,7 +89,7 @@ def on_fake_tensors(model: nn.Module, what: str) -> Iterator[None]:
 
 def _from_fake_tensors(err: BaseException) -> bool:
     """Raised because the tensors were fake (a data-dependent op, an op without a fake kernel)."""
-    return any(raised_by_fake_tensors(e) for e in _chain(err))
+    return any(raised_by_fake_tensors(e) or isinstance(e, UnreplayableRead) for e in _chain(err))
 
 
 def _chain(err: BaseException | None) -> Iterator[BaseException]:

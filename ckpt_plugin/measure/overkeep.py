@@ -32,6 +32,7 @@ from torch import nn
 from ckpt_plugin._compat import checkpoint_placeholder, storage_key, tree_leaves, user_module
 from ckpt_plugin.engine.forwards import instance_forward
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled, compiling_paused
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import is_parameter
 from ckpt_plugin.measure.report import on_fake_model
 from ckpt_plugin.units import format_bytes
@@ -106,10 +107,14 @@ def over_kept(model: nn.Module, names: list[str], forward: Callable[[], Any]) ->
     """The layers of ``names`` (wrapped on ``model``) that keep more as installed than without checkpointing,
     in ``names``' order: two forwards on fake tensors, the first with the wrappers off."""
     model = user_module(model)
-    with checkpointing_disabled(model):
-        without = kept_by_layer(model, names, forward)
-    with compiling_paused(model):  # never compile fake tensors
-        with_ckpt = kept_by_layer(model, names, forward)
+
+    def measured() -> tuple[dict[str, int], dict[str, int]]:
+        with checkpointing_disabled(model):
+            without = kept_by_layer(model, names, forward)
+        with compiling_paused(model):  # never compile fake tensors
+            return without, kept_by_layer(model, names, forward)
+
+    without, with_ckpt = with_values_replayed(model, forward, measured)  # a forward that reads values too
     modules = dict(model.named_modules())
     return [OverKeep(n, type(modules[n]).__name__, with_ckpt[n], without[n])
             for n in names if with_ckpt[n] > without[n]]

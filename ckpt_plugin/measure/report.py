@@ -25,6 +25,7 @@ from torch import nn
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.engine.wrap import checkpointing_disabled, compiled_modules, compiling_paused
 from ckpt_plugin.measure.fake import fake_measurement
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
 from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.units import format_bytes
@@ -57,6 +58,13 @@ def measure_step(model: nn.Module, loss: Callable[[], Any], names: list[str], *,
     ``peaks=False``: the kept bytes alone (one forward; no MemTracker, no backward): what the callback's report
     needs for every mode but ``ckpt=auto``, whose plan it compares with the peaks.
     """
+    if fake:  # a forward that reads values: fake runs replay what it read (measure/values.py)
+        return with_values_replayed(model, loss, lambda: _measured_step(model, loss, names, fake, what, peaks))
+    return _measured_step(model, loss, names, fake, what, peaks)
+
+
+def _measured_step(model: nn.Module, loss: Callable[[], Any], names: list[str], fake: bool, what: str,
+                   peaks: bool) -> StepMeasure:
     def step() -> None:
         scalar(loss()).backward()
         model.zero_grad(set_to_none=True)
@@ -231,6 +239,14 @@ def wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any]
     gradients; nothing here trains. Raises
     :class:`~ckpt_plugin.measure.fake.NotFakeable` if the forward cannot run on fake tensors.
     """
+    return with_values_replayed(model, forward, lambda: _wrap_report(
+        model, wrapped, forward, note, how=how, rows=rows, options=options, without=without, planned=planned,
+        peaks=peaks))
+
+
+def _wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any], note: str, *, how: str,
+                 rows: list[str] | None, options: dict[str, str] | None, without: StepMeasure | None,
+                 planned: tuple[int, int] | None, peaks: bool) -> WrapReport:
     rows = list(rows or wrapped)
     modules = dict(model.named_modules())
     if without is None:

@@ -61,6 +61,7 @@ from ckpt_plugin._compat import (
     tree_leaves,
 )
 from ckpt_plugin.measure.fake import fake_measurement
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import side_effect_free
 from ckpt_plugin.units import format_bytes
 
@@ -131,17 +132,24 @@ def saved_activations(fn: Any, /, *args: Any, fake: bool = True, **kwargs: Any) 
 
     ``fake=True`` (the default) runs the forward on fake tensors: the same rows
     for almost no memory. A forward that reads values (``.item()``, branching
-    on data) raises :class:`~ckpt_plugin.measure.fake.NotFakeable`; ``fake=False``
-    runs it on real tensors. (As ``torch.utils.checkpoint.checkpoint``'s own
-    keywords, ``fake`` is not passed on to ``fn``: wrap ``fn`` in
+    on data) runs too: the fake run replays what one real run without autograd
+    read (``measure/values.py``). ``fake=False`` runs it on real tensors. (As
+    ``torch.utils.checkpoint.checkpoint``'s own keywords, ``fake`` is not passed on to ``fn``: wrap ``fn`` in
     ``functools.partial`` to give it a keyword of that name.)
     """
     if not callable(fn):
         raise TypeError(f"saved_activations expects a function or module to run, got {type(fn).__name__}")
+    model = _root(fn) or nn.Module()
+    if fake:  # a forward that reads values: the fake run replays what one real run without autograd read
+        return with_values_replayed(model, lambda: fn(*args, **kwargs),
+                                    lambda: _saved_activations(fn, args, kwargs, model, fake))
+    return _saved_activations(fn, args, kwargs, model, fake)
+
+
+def _saved_activations(fn: Any, args: tuple, kwargs: dict, model: nn.Module, fake: bool) -> SavedActivations:
     with contextlib.ExitStack() as restore:
         mode = None
         if fake:  # outermost: turns an error that fake tensors caused into NotFakeable
-            model = _root(fn) or nn.Module()
             mode = restore.enter_context(fake_measurement(model, f"saved_activations({_label(fn)})"))
         recorder = _Recorder(fn, args, kwargs, restore, mode)  # clones buffers: before the mode is entered
         if mode is not None:

@@ -41,6 +41,7 @@ from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import fake_measurement
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.planning.inside import with_inside
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
@@ -97,9 +98,13 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
-    with checkpointing_disabled(model), contextlib.ExitStack() as stack:
-        return _profile(model, names, forward, fake=fake, timed=timed, compiled=compiled, depth=depth,
-                        cache=ProfileCache() if cache is None else cache, stack=stack)
+
+    def measured() -> Profile:
+        with checkpointing_disabled(model), contextlib.ExitStack() as stack:
+            return _profile(model, names, forward, fake=fake, timed=timed, compiled=compiled, depth=depth,
+                            cache=ProfileCache() if cache is None else cache, stack=stack)
+
+    return with_values_replayed(model, forward, measured) if fake else measured()
 
 
 def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool, timed: bool,
@@ -186,9 +191,13 @@ def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
 def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, Option], fake: bool,
                grouped: tuple[str, ...] = ()) -> int:
     """The activation peak of one step with ``choices`` on (a plan's: nested names nest), measured as profiled."""
-    with (cache_warnings_silenced(), checkpointing_disabled(model), regrouped_while(model, _regrouped(grouped, choices)),
-          fake_measurement(model, "ckpt=auto's profile") as mode):
-        return recorded_step(model, list(choices), forward, dict(choices), fake=mode if fake else None).analyse()[2]
+    def measured() -> int:
+        with (cache_warnings_silenced(), checkpointing_disabled(model),
+              regrouped_while(model, _regrouped(grouped, choices)),
+              fake_measurement(model, "ckpt=auto's profile") as mode):
+            return recorded_step(model, list(choices), forward, dict(choices), fake=mode if fake else None).analyse()[2]
+
+    return with_values_replayed(model, forward, measured) if fake else measured()
 
 
 def _with_inside(measured: Profile) -> Profile:
@@ -275,11 +284,16 @@ def chain_costs(model: nn.Module, names: list[str], forward: Callable[[], Any], 
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
-    with (cache_warnings_silenced(), checkpointing_disabled(model),
-          fake_measurement(model, "ckpt.segments=optimal's profile") as mode):
-        mode = mode if fake else None
-        plain = recorded_step(model, names, forward, KEEP, fake=mode)
-        alone = counted = recorded_step(model, names, forward, FULL, fake=mode)
+
+    def measured() -> tuple[Recorder, Recorder]:
+        with (cache_warnings_silenced(), checkpointing_disabled(model),
+              fake_measurement(model, "ckpt.segments=optimal's profile") as mode):
+            mode = mode if fake else None
+            return (recorded_step(model, names, forward, KEEP, fake=mode),
+                    recorded_step(model, names, forward, FULL, fake=mode))
+
+    plain, alone = with_values_replayed(model, forward, measured) if fake else measured()
+    counted = alone
     kept, running, peak = plain.analyse()
     inputs = alone.analyse()[0]  # checkpointed, a layer keeps its inputs only
     phase = alone.phase_running
