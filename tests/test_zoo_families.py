@@ -9,34 +9,27 @@ refused naming the least reachable peak, and that peak, typed back as the
 budget in bytes, is met (GAT); the step bitwise either way (x-transformers is
 refused at 0.52 and meets it: ``python -m ckpt_tools.zoo --budget``, kept out
 of the suite for its time). ESM2 (``padding_mask.any()``) and torch_geometric
-(``nonzero`` in its message passing) read tensor values in their forward: until
-planning runs such forwards (``ckpt_plugin/measure/values.py``) they are
-refused with ``NotFakeable``, an expected failure.
+(``nonzero`` in its message passing) read tensor values in their forward: planning
+replays what one forward without autograd read (``ckpt_plugin/measure/values.py``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
-from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_tools.zoo import all_models
 from ckpt_tools.zoo.measure import _cache_off, _train, at_budget
 
 ZOO = {entry.name: entry for entry in all_models()}
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second intra-op thread only waits (conftest)
 
-# Planning a forward that reads values is being written beside this (measure/values.py); until it is in the tree,
-# these models' ckpt=auto is refused by name. Strict: the day it lands, the marker must go.
-READS_VALUES = pytest.mark.xfail(importlib.util.find_spec("ckpt_plugin.measure.values") is None, strict=True,
-                                 raises=NotFakeable, reason="forward reads tensor values; fake tensors have none")
-
-
+# Both forwards read values (ESM's padding check, PyG's self-loop masks): planned by replaying what one forward
+# without autograd read (measure/values.py).
 @pytest.mark.parametrize("name, refused", [
-    pytest.param("esm.esm2", False, marks=READS_VALUES),
-    pytest.param("pyg.gat", True, marks=READS_VALUES),  # three small layers: the least reachable is 0.55 of none's
+    ("esm.esm2", False),
+    ("pyg.gat", True),  # three small layers: the least reachable is 0.55 of none's
 ])
 def test_auto_at_half_the_peak_is_met_or_its_least_is(name: str, refused: bool) -> None:
     entry = ZOO[name]

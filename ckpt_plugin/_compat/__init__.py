@@ -61,6 +61,7 @@ from ckpt_plugin._compat.regions import (
     checkpoint_placeholder,
     checkpointed_fn,
     close_region,
+    module_running,
     open_region,
 )
 from ckpt_plugin._compat.tensors import StorageWeakRef, base_of, outer_saved_tensors_hooks, storage_key, version
@@ -94,6 +95,7 @@ __all__ = [
     "is_mutable",
     "keystr",
     "mode_stack_depth",
+    "module_running",
     "non_reentrant_checkpoint",
     "op_flops",
     "open_region",

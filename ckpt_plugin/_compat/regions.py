@@ -113,6 +113,25 @@ def _region_frame(frame: FrameType | None) -> FrameType | None:
     return None
 
 
+def module_running(frame: FrameType) -> Any:
+    """The module whose forward ``frame`` runs for torch, or None: ``nn.Module``'s call (``_call_impl``, private:
+    its ``self``), or a non-reentrant checkpoint's recomputation (``recompute_fn``, private: the module of its
+    ``fn``, which it calls directly). Reads the locals of those two torch frames only: a snapshot of a user's
+    frame (``f_locals``, Python 3.11 and 3.12) would keep its rebound tensors alive until it returns."""
+    code = frame.f_code
+    if code is _CALL_IMPL:
+        return frame.f_locals.get("self")
+    if code.co_name == "recompute_fn" and code.co_filename == _CHECKPOINT_FILE:
+        fn = _unwrapped(frame.f_locals.get("fn"))
+        while isinstance(fn, functools.partial) or hasattr(fn, "__wrapped__"):  # functools.wraps' convention
+            fn = fn.func if isinstance(fn, functools.partial) else fn.__wrapped__
+        return getattr(fn, "__self__", None)
+    return None
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
 def checkpointed_fn(frame: FrameType | None) -> Any:
     """The ``fn`` of the non-reentrant checkpoint that is saving its inputs right now, or None.
 

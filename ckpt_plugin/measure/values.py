@@ -52,6 +52,7 @@ from ckpt_plugin._compat import (
     TorchDispatchMode,
     fake_read_error,
     in_backward,
+    module_running,
     reads_values,
     storage_key,
     tree_leaves,
@@ -108,8 +109,7 @@ class _Where:
         while frame is not None and module is None:
             if not line and not frame.f_code.co_filename.startswith(_SKIPPED):
                 line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-            code = frame.f_code  # a method's first argument, whatever its name, is its module
-            owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            owner = module_running(frame)  # called, or recomputed by checkpoint: the same module either way
             if owner is not None and id(owner) in self.names:
                 module = self.names[id(owner)]
             frame = frame.f_back

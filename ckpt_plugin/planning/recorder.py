@@ -173,6 +173,7 @@ class Recorder(TorchDispatchMode):
                 if outer and not recompute:
                     self._leave(name)
 
+        run.__wrapped__ = inner  # type: ignore[attr-defined]  # the module it runs, for measure/values.py's keys
         return run
 
     def _enter(self, name: str) -> None:
