@@ -13,6 +13,7 @@ call runs (``treatment.py``), one checkpoint per layer or segments over a chain
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -29,7 +30,7 @@ from ckpt_plugin.engine.wrap import check_plan
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.sample import example_forward
-from ckpt_plugin.measure.values import with_values_replayed
+from ckpt_plugin.measure.values import recorded_values, values_line, with_values_replayed
 
 
 def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> WrapPlan:
@@ -82,12 +83,17 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
 def planned(model: nn.Module, forward: Callable[[], Any], key: str, plan: Callable[[], WrapPlan]) -> WrapPlan:
     """``plan()``, whose measurements on fake tensors share one record of what ``forward`` reads from values
     (``measure/values.py``); a forward that still cannot run on them is the config's to change: a ConfigError."""
+    before = recorded_values(model)
     try:
-        return with_values_replayed(model, forward, plan)
+        made = with_values_replayed(model, forward, plan)
     except NotFakeable as err:
         fixed = "ckpt=full, selective or offload with the same ckpt.layers" if key == "ckpt.mode" else \
             "ckpt.segments=<a number> (no profile)"
         raise ConfigError([Problem(key, str(err), f"a fixed mode needs no measurement: {fixed}")]) from err
+    record = recorded_values(model)
+    if record is None or record is before:
+        return made
+    return replace(made, summary="\n".join(filter(None, [made.summary, values_line(record)])))
 
 
 def sample_forward(model: nn.Module, key: str = "ckpt.mode", who: str = "ckpt=auto") -> Callable[[], Any]:

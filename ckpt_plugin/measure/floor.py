@@ -34,6 +34,7 @@ from torch import nn
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, storage_key, tree_leaves
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import fake_measurement
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import side_effect_free
 from ckpt_plugin.units import format_bytes
 
@@ -103,7 +104,14 @@ class _Watch(TorchDispatchMode):
 
 def forward_floor(model: nn.Module, forward: Callable[[], Any], *, fake: bool = True) -> Floor:
     """The forward's floor of ``model`` (see above), from one ``forward()`` on fake tensors (``fake=False``: real
-    ones, for tests). The model is left as it was: wrappers, buffers, RNG, gradients."""
+    ones, for tests). The model is left as it was: wrappers, buffers, RNG, gradients. A forward that reads values
+    replays what one forward without autograd read (``measure/values.py``)."""
+    if fake:
+        return with_values_replayed(model, forward, lambda: _floor(model, forward, fake))
+    return _floor(model, forward, fake)
+
+
+def _floor(model: nn.Module, forward: Callable[[], Any], fake: bool) -> Floor:
     names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
     with (checkpointing_disabled(model), fake_measurement(model, "the forward's floor") as mode,
           side_effect_free(model)):

@@ -25,7 +25,7 @@ from torch import nn
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.engine.wrap import checkpointing_disabled, compiled_modules, compiling_paused
 from ckpt_plugin.measure.fake import fake_measurement
-from ckpt_plugin.measure.values import with_values_replayed
+from ckpt_plugin.measure.values import ValueRecord, recorded_values, values_line, with_values_replayed
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
 from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.units import format_bytes
@@ -177,6 +177,7 @@ class WrapReport:
     planned: tuple[int, int] | None = None
     note: str = ""
     compiled: bool = False
+    values: ValueRecord | None = None  # what a forward that reads values read, replayed on fake tensors
 
     @property
     def saved(self) -> int:
@@ -204,6 +205,8 @@ class WrapReport:
         before, after = self.without.total, self.with_ckpt.total
         lines.append(f"  {'total':<{w}}  {'':<{c}}  {'':<{o}}{format_bytes(before):>10}  {format_bytes(after):>10}"
                      f"  (saved {format_bytes(self.saved)})")
+        if self.values is not None:
+            lines.append(f"  {values_line(self.values)}")
         peak0, peak1 = self.peaks
         if peak0:
             lines.append(f"  activation peak: {format_bytes(peak0)} without, {format_bytes(peak1)} with "
@@ -267,6 +270,7 @@ def _wrap_report(model: nn.Module, wrapped: list[str], forward: Callable[[], Any
         planned=planned,
         note=note,
         compiled=bool(compiled_modules(model)),
+        values=recorded_values(model),
     )
 
 

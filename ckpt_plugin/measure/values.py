@@ -279,6 +279,13 @@ def recorded_values(model: nn.Module) -> ValueRecord | None:
     return _RECORDED.get(model)
 
 
+def values_line(record: ValueRecord) -> str:
+    """What the report and the plan say of a forward that reads values."""
+    return (f"the forward reads values ({record.reads} read{'s' * (record.reads != 1)}): one forward without "
+            f"autograd recorded them (its peak {format_bytes(record.peak_bytes)} beside the parameters), and the "
+            "measurements on fake tensors replayed them")
+
+
 def record_values(model: nn.Module, forward: Callable[[], Any]) -> ValueRecord:
     """Run ``forward()`` once on real tensors without autograd, recording what it read from values."""
     record = ValueRecord()
@@ -311,9 +318,7 @@ def with_values_replayed(model: nn.Module, forward: Callable[[], Any], measure: 
     finally:
         _ACTIVE.reset(token)
     record = _RECORDED[model] = record_values(model, forward)
-    log.info("ckpt_plugin: %s's forward reads values (%d reads): one forward without autograd recorded them, "
-             "peak %s beside the parameters, and the measurements on fake tensors replayed them",
-             type(model).__name__, record.reads, format_bytes(record.peak_bytes))
+    log.info("ckpt_plugin: %s: %s", type(model).__name__, values_line(record))
     token = _ACTIVE.set((model, record))
     try:
         return measure()
@@ -323,5 +328,5 @@ def with_values_replayed(model: nn.Module, forward: Callable[[], Any], measure: 
 
 __all__ = [
     "Replay", "UnreplayableRead", "ValueRecord", "active_replay", "record_values", "recorded_values",
-    "with_values_replayed",
+    "values_line", "with_values_replayed",
 ]

@@ -22,7 +22,9 @@ whole peak (MemTracker's total) beside planning's own (how much the process's pe
 resident memory grew while planning: Linux's VmHWM, ``ckpt_tools.workloads.peak_growth``;
 the process's first plan carries one-time costs), and ``met`` / ``NO``; refused, the
 least reachable peak it names (over none's), then a run with that peak as the budget
-in bytes, met or not; a forward fake tensors cannot run: ``refused: NotFakeable (...)``.
+in bytes, met or not; a forward that reads values (``measure/values.py``): how many reads
+one forward without autograd recorded for planning, and that forward's own peak (MemTracker,
+parameters aside); a forward fake tensors still cannot run: ``refused: NotFakeable (...)``.
 A model whose step fails is a row saying so, and the exit status is 1.
 """
 
@@ -116,8 +118,11 @@ def _budget_columns(b: BudgetResult, r: ZooResult) -> str:
     verdict = "met" if b.met else ("NO" if b.refused is None else "NOT met")
     outcome = verdict if b.refused is None else f"refused ({b.refused}), then {verdict}"
     planning = format_bytes(b.planning_peak) if b.planning_peak is not None else "-"
+    n = b.values.reads if b.values is not None else 0
+    read = (f"; {n} read{'s' * (n != 1)} of values recorded at a peak of {format_bytes(b.values.peak_bytes)}"
+            if b.values is not None else "")
     return (f"{b.run.act_peak / r.none.act_peak:>7.3f}{format_bytes(b.run.total_peak):>11}{planning:>11}"
-            f"  {outcome}{mark}")
+            f"  {outcome}{mark}{read}")
 
 
 def _budget_summary(budget: float, runs: list[BudgetResult]) -> str:

@@ -36,6 +36,7 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import forward_floor
 from ckpt_plugin.measure.memory import step_memory
+from ckpt_plugin.measure.values import ValueRecord, recorded_values
 from ckpt_tools.workloads import peak_growth
 from ckpt_tools.zoo import ZooModel
 
@@ -62,6 +63,7 @@ class BudgetResult:
     run: Run | None = None  # the step with the plan (at ``asked``, or after a refusal at ``least`` bytes)
     mismatches: list[str] = field(default_factory=list)  # against the step without checkpointing
     planning_peak: int | None = None  # bytes the process's peak RSS grew while planning that run (Linux; else None)
+    values: ValueRecord | None = None  # what a forward that reads values read, recorded for planning (None: no read)
 
     @property
     def met(self) -> bool:
@@ -115,9 +117,10 @@ def _cache_off(model: nn.Module) -> nn.Module:
     The plugin (as HF's own ``gradient_checkpointing_enable()``) runs a model above
     checkpointed layers with its KV cache off in training. A filled cache hands
     attention contiguous copies of the keys where the uncached call hands it a
-    transposed view: the same values, but the matmul's backward rounds them
+    transposed view: the same values, but MKL's matmul rounds the two layouts
     differently on some CPUs (GPT-2 and T5 differ from the cached call by up to
-    7e-9 on an AMD EPYC with AVX-512, not at all on the machines before it).
+    7e-9 on an AMD EPYC with AVX-512, not at all under ``MKL_CBWR=COMPATIBLE``:
+    ``tests/test_t5_cache.py``, pytorch#104439).
     So the baseline a bitwise comparison is made against is the same call with
     the cache off (T5's decoder has a config of its own: every module's is set).
     """
@@ -170,14 +173,15 @@ def _planned(entry: ZooModel, budget: str) -> Run | None:
         return None
 
 
-def _plan_and_train(entry: ZooModel, budget: str) -> tuple[Run, int | None]:
+def _plan_and_train(entry: ZooModel, budget: str) -> tuple[Run, int | None, ValueRecord | None]:
     """A fresh model planned by ``ckpt=auto`` at ``budget`` (``layers=auto``) from its own training call, then one
-    compared step; and how much the process's peak RSS grew while planning. Raises what planning raises."""
+    compared step; how much the process's peak RSS grew while planning, and what planning recorded of a forward
+    that reads values (``measure/values.py``). Raises what planning raises."""
     model = entry.build()
     plan, grown = peak_growth(lambda: plan_for(model, make_config(layers="auto", mode="auto", budget=budget),
                                                lambda: entry.loss(model(**entry.batch()))))
     install(model, plan)
-    return _train(entry, model), grown
+    return _train(entry, model), grown, recorded_values(model)
 
 
 def at_budget(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
@@ -186,15 +190,16 @@ def at_budget(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
     Raises ``NotFakeable`` where the forward cannot run on fake tensors (:func:`measure` says so in a row)."""
     asked = f"{fraction:g}"
     try:
-        run, grown = _plan_and_train(entry, asked)
-        return _checked(BudgetResult(asked, int(fraction * none.act_peak), run=run, planning_peak=grown), none)
+        run, grown, values = _plan_and_train(entry, asked)
+        return _checked(BudgetResult(asked, int(fraction * none.act_peak), run=run, planning_peak=grown,
+                                     values=values), none)
     except ConfigError as err:
         least = next((p.least for p in err.problems if p.least is not None), None)
         if least is None:
             raise
-    run, grown = _plan_and_train(entry, f"{least}B")
-    return _checked(BudgetResult(asked, least, f"least {least / none.act_peak:.2f}", least, run, planning_peak=grown),
-                    none)
+    run, grown, values = _plan_and_train(entry, f"{least}B")
+    return _checked(BudgetResult(asked, least, f"least {least / none.act_peak:.2f}", least, run, planning_peak=grown,
+                                 values=values), none)
 
 
 def _at_budget_or_refused(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
