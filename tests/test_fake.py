@@ -18,7 +18,7 @@ from torch import nn
 
 from ckpt_plugin import apply_checkpointing
 from ckpt_plugin.engine.wrap import checkpointing_disabled
-from ckpt_plugin.measure.fake import NotFakeable, on_fake_tensors
+from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.memory import saved_bytes, side_effect_free
 from ckpt_plugin.measure.report import measure_step, wrap_report
 from ckpt_plugin.planning.options import FULL

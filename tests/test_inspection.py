@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import wrapped_modules
-from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_tools.inspection import inspect_step
 from ckpt_plugin.measure.memory import REST
 

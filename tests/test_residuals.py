@@ -14,7 +14,6 @@ from torch.nn.modules import module as nn_module
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckpt_plugin import apply_checkpointing, checkpoint, checkpoint_name
-from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_plugin.measure.residuals import SavedRow, saved_activations
 

@@ -34,8 +34,8 @@ from torch import nn
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, storage_key, tree_leaves
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import fake_measurement
-from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import side_effect_free
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.units import format_bytes
 
 Key = tuple[str, int]  # a storage's identity (``_compat.storage_key``): shared by views

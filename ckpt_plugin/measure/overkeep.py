@@ -32,9 +32,9 @@ from torch import nn
 from ckpt_plugin._compat import checkpoint_placeholder, storage_key, tree_leaves, user_module
 from ckpt_plugin.engine.forwards import instance_forward
 from ckpt_plugin.engine.wrap import CheckpointedForward, checkpointing_disabled, compiling_paused
-from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import is_parameter
 from ckpt_plugin.measure.report import on_fake_model
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.units import format_bytes
 
 

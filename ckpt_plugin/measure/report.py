@@ -25,9 +25,9 @@ from torch import nn
 from ckpt_plugin._compat import TorchDispatchMode, is_fake, tree_leaves
 from ckpt_plugin.engine.wrap import checkpointing_disabled, compiled_modules, compiling_paused
 from ckpt_plugin.measure.fake import fake_measurement
-from ckpt_plugin.measure.values import ValueRecord, recorded_values, values_line, with_values_replayed
 from ckpt_plugin.measure.memory import REST, SavedBytes, saved_bytes, side_effect_free, step_memory
 from ckpt_plugin.measure.sample import scalar
+from ckpt_plugin.measure.values import ValueRecord, recorded_values, values_line, with_values_replayed
 from ckpt_plugin.units import format_bytes
 
 # The order the options of ckpt=auto are counted in on the "wrapped" line: the most recompute first.

@@ -61,8 +61,8 @@ from ckpt_plugin._compat import (
     tree_leaves,
 )
 from ckpt_plugin.measure.fake import fake_measurement
-from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import side_effect_free
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.units import format_bytes
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

@@ -9,21 +9,22 @@ experts.
 
 What they read depends on the batch's values and the parameters', not on
 autograd: so the forward runs once on the real tensors *without autograd*
-(``torch.no_grad``: no activation is kept for backward, each op's output is
-freed when the next no longer needs it, the peak is about one layer's working
-set), and every op that reads values records its answer: the number
-``.item()`` gave, the shape of what ``nonzero`` found. The fake runs then
-replay those answers: where a fake op cannot answer, the recorded answer for
-the same call is used, and the run goes on with shapes as the real step has
-them, so bytes and FLOPs are exact again.
+(``torch.no_grad``: nothing is kept for backward, each op's output is freed
+when the next no longer needs it), and every op that reads values records its
+answer: the number ``.item()`` gave, the shape of what ``nonzero`` found, and
+how many elements each boolean mask used as an index selected. The fake runs
+then replay those answers: where a fake op cannot answer, the recorded answer
+for the same call is used, and the run goes on with shapes as the real step
+has them, so bytes and FLOPs are exact again. Backward's own reads come from
+the masks' counts: ``x[mask] = v`` has ``grad[mask]`` as its backward.
 
-The same call is the same op, made from the same line of code, in the same
-module of the model (its qualified name), the n-th time since the run
-entered its forward or backward: so each layer's reads are its own, a
+The same call is the same op on inputs of the same shapes, made from the same
+line of code, in the same module of the model (found from torch's own frames:
+``nn.Module``'s call, or checkpoint's recomputation), the n-th time since the
+run entered its forward or backward: so each layer's reads are its own, a
 recomputation in backward meets its layer's answers again, and a loop in one
 layer (one ``nonzero`` per expert) gets one answer per pass. A call the
-recording never met, or one with other input shapes than recorded, cannot be
-replayed: it raises, naming the op and the module.
+recording never met cannot be replayed: it raises, naming the op and the module.
 
 The recording runs only when a fake run has failed on a read (a value-free
 forward never pays for it), once per measurement (:func:`with_values_replayed`),
@@ -35,11 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import logging
+import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 

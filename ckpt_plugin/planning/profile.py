@@ -41,12 +41,12 @@ from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import fake_measurement
-from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.measure.memory import REST
+from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.planning.inside import with_inside
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
-from ckpt_plugin.planning.parts import measure_parts, ran_as_groups, regrouped_while
 from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, SELECTIVE_NB, Option
+from ckpt_plugin.planning.parts import measure_parts, ran_as_groups, regrouped_while
 from ckpt_plugin.planning.planner import Cost, LayerProfile, Plan, Profile
 from ckpt_plugin.planning.recorder import Recorder
 from ckpt_plugin.planning.rotor import ChainCosts
