@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckpt_plugin import ActivationCheckpointing, apply_checkpointing
+from ckpt_plugin._compat import is_fake
 from ckpt_plugin.apply.install import apply_config
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.wrap import checkpointing_disabled, remove_checkpointing
@@ -194,3 +195,18 @@ def test_a_trainer_plans_and_reports_a_forward_that_reads_values(tmp_path, caplo
     assert out.count(said) >= 2, out  # under the plan, and in the report
     assert callback.report.values is record and callback.report.peaks[1] <= callback.planned.budget_bytes
     assert callback.wrapped  # (taken off again when the fit ends)
+
+
+def test_lightnings_demo_transformer_plans_and_keeps_no_fake_tensor() -> None:
+    """Lightning's demo ``Transformer`` reads a value (torch's causal-mask check, ``torch.equal``) and fills its
+    positional table lazily (``PositionalEncoding.pe``, a plain attribute): the first fake run, stopped at the read,
+    had left ``pe`` fake, and the next real step computed on it. Measurements put such attributes back."""
+    from ckpt_tools.zoo import all_models
+    from ckpt_tools.zoo.measure import _differences, _train
+
+    entry = next(e for e in all_models() if e.name == "lightning.demo_transformer")
+    model = entry.build()
+    assert apply_config(model, make_config(layers="auto", mode="auto", budget=0.9),
+                        forward=lambda: entry.loss(model(**entry.batch())))
+    assert not any(is_fake(v) for m in model.modules() for v in vars(m).values())
+    assert _differences(_train(entry, entry.build()), _train(entry, model)) == []

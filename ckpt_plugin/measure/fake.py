@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import fake_read_error, fake_tensor_mode, raised_by_fake_tensors
+from ckpt_plugin._compat import fake_read_error, fake_tensor_mode, is_fake, raised_by_fake_tensors
 from ckpt_plugin.measure.memory import side_effect_free
 from ckpt_plugin.measure.values import UnreplayableRead, active_replay
 
@@ -54,11 +54,15 @@ def fake_measurement(model: nn.Module, what: str) -> Iterator[Any]:
     """A fake-tensor mode for measuring ``model``, not entered: the caller enters it where it needs.
 
     On exit the parameters' ``.grad`` are as they were (a measured backward
-    leaves fake ones), and an error that fake tensors caused becomes
+    leaves fake ones), so is every plain attribute of its modules that the
+    measurement set to a fake tensor (a cache a forward fills lazily, as
+    Lightning's demo ``PositionalEncoding.pe`` or a rotary table: left fake,
+    the next real step would compute on it), and an error that fake tensors caused becomes
     :class:`NotFakeable`; ``what`` (``"ckpt=auto's profile"``) says in it what
     was being measured. Buffers and RNG are the caller's: see :func:`on_fake_tensors`.
     """
     grads = {p: p.grad for p in model.parameters()}
+    attributes = [(m, dict(vars(m))) for m in model.modules()]
     try:
         # What the user compiled (a layer's ``Module.compile()``, a compiled child) runs eagerly here:
         # dynamo does not trace under a dispatch mode (with fullgraph=True it raises), and a graph of
@@ -78,6 +82,26 @@ def fake_measurement(model: nn.Module, what: str) -> Iterator[Any]:
     finally:
         for p, g in grads.items():
             p.grad = g
+        _restore_fake_attributes(attributes)
+
+
+def _restore_fake_attributes(attributes: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Put back each module attribute that now holds a fake tensor (directly or in a tuple or list) as it was."""
+    for module, before in attributes:
+        for name, value in list(vars(module).items()):
+            if value is before.get(name, _ABSENT) or not any(is_fake(v) for v in _leaves(value)):
+                continue
+            if name in before:
+                setattr(module, name, before[name])
+            else:
+                delattr(module, name)
+
+
+_ABSENT = object()
+
+
+def _leaves(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 @contextlib.contextmanager
