@@ -106,8 +106,13 @@ class _Recomputable:
 
 
 def _hint(error: BaseException, fn: Any) -> None:
-    """Say, on an exception raised while recomputing, what trains a model whose library drops torch's error."""
+    """Say, on an exception raised while recomputing, what trains a model whose library drops torch's error.
+
+    Only on an error of a library's own: torch's (its determinism check's ``CheckpointError``) and the
+    plugin's (its recomputation check) say what they found, and early stop has nothing to do with them."""
     if not hasattr(error, "add_note"):  # Python 3.10: no notes; the error goes as it is
+        return
+    if type(error).__module__.split(".")[0] in ("torch", "ckpt_plugin"):
         return
     error.add_note(
         f"ckpt_plugin: raised while recomputing {_describe(fn)} for backward (its forward had run). torch's "
