@@ -97,7 +97,7 @@ from ckpt_plugin.measure.report import (
     wrap_report,
     wrapped_line,
 )
-from ckpt_plugin.lightning.wrapped import batch_forward, check_overkeep, report_rows
+from ckpt_plugin.lightning.wrapped import check_overkeep, report_rows
 from ckpt_plugin.planning.plan_file import (
     FILE_NAME,
     plain,
@@ -364,7 +364,7 @@ class ActivationCheckpointing(pl.Callback):
                              *args: Any) -> None:
         if self._overkeep_at_step and self.wrapped:  # the batch is the sample now: on fake tensors, once per fit
             self._overkeep_at_step = False
-            check_overkeep(trainer, pl_module, self.config, self.wrapped, batch_forward(trainer, pl_module, batch))
+            check_overkeep(trainer, pl_module, self.config, self.wrapped, batch=batch)
         if not self.wrapped or trainer.global_step % max(trainer.log_every_n_steps, 1):
             return
         if pl_module.device.type == "cuda":

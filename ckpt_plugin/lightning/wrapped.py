@@ -48,12 +48,18 @@ def batch_forward(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
 
 
 def check_overkeep(trainer: pl.Trainer, pl_module: pl.LightningModule, config: CkptConfig, wrapped: list[str],
-                   forward: Callable[[], Any] | None) -> None:
+                   forward: Callable[[], Any] | None = None, batch: Any = None) -> None:
     """Warn on rank 0 where a fixed mode keeps more on a layer than no checkpointing (``apply.warn_overkeep``).
 
-    Skipped without a forward, and where parameters are sharded: a forward on fake tensors would run into the
-    parameters the strategy shards, as the report's would (``strategies.sharded_parameters``)."""
-    if forward is None or trainer.global_rank != 0 or sharded_parameters(trainer.strategy) is not None:
+    ``forward``: the sample's; else the call ``training_step`` makes with ``batch`` (found only once the check
+    is to run: finding it runs ``training_step`` up to that call). Skipped without either, and where parameters
+    are sharded: a forward on fake tensors would run into the parameters the strategy shards, as the report's
+    would (``strategies.sharded_parameters``)."""
+    if trainer.global_rank != 0 or sharded_parameters(trainer.strategy) is not None:
+        return
+    if forward is None and batch is not None:
+        forward = batch_forward(trainer, pl_module, batch)
+    if forward is None:
         return
     warn_overkeep(pl_module, config, wrapped, forward, warn=lambda text: rank_zero_warn(text, category=UserWarning))
 
