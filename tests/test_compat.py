@@ -680,3 +680,48 @@ def test_op_flops_counts_what_flop_counter_mode_counts(op, args) -> None:
         out = op(*args)
     assert _compat.op_flops(op, args, {}, out) == counter.get_total_flops()
     assert counter.get_total_flops() > 0 or op is torch.ops.aten.add.Tensor
+
+
+# -- reads of values (measure/values.py) --
+
+
+def test_reads_values_tells_the_ops_that_answer_from_values() -> None:
+    aten = torch.ops.aten
+    assert all(_compat.reads_values(op) for op in (aten._local_scalar_dense.default, aten.nonzero.default,
+                                                   aten.is_nonzero.default, aten.masked_select.default))
+    assert not any(_compat.reads_values(op) for op in (aten.mm.default, aten.masked_fill.Scalar))
+
+
+def test_fake_read_error_is_fake_tensors_refusal_to_read() -> None:
+    with pytest.raises(Exception) as caught, _compat.fake_tensor_mode():
+        torch.ones(3).nonzero()
+    assert _compat.fake_read_error(caught.value) and not _compat.fake_read_error(ValueError("x"))
+
+
+def test_in_backward_is_true_only_while_autograd_runs_a_backward() -> None:
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(_compat.in_backward()))
+    y.sum().backward()
+    assert seen == [True] and not _compat.in_backward()
+
+
+def test_module_running_finds_the_module_called_and_the_one_recomputed() -> None:
+    import sys
+
+    found = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            frame = sys._getframe(1)
+            while frame is not None and _compat.module_running(frame) is None:
+                frame = frame.f_back
+            found.append(_compat.module_running(frame) if frame is not None else None)
+            return x.sin()
+
+    probe = Probe()
+    x = torch.ones(2, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(probe.forward, x, use_reentrant=False).sum().backward()
+    probe(x)
+    assert found == [None, probe, probe]  # checkpoint calls fn directly; its recompute_fn, then nn.Module's call
