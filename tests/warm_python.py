@@ -63,10 +63,14 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, pa
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    if env.get("OMP_NUM_THREADS", "").isdigit():  # torch read it when the server imported it: say it again
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = list(argv)
     sys.path[:] = path
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # torch read it when the server imported it: say it again
+        # Imported here if the server's preload did not (multiprocessing passes over a preload's ImportError
+        # silently: once in a full suite run, a server came up without torch and every run in it failed).
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     multiprocessing.current_process().name = "MainProcess"  # what the script would see as a program of its own
     code: int | str | None = 0
     try:
