@@ -236,9 +236,15 @@ def _batches(loader: EpochAwareDataLoader, start: int, stop: int) -> list[list[l
     return out
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=lambda n: f"num_workers={n}")
+# Every pattern of stops without workers; with two workers, an epoch's last batch and two restarts. A loader with
+# workers costs tens of seconds a test here, nearly all of it waiting on its workers' shutdown, once per iterator
+# (the suite's longest file ran 430 s for the ten of them); the workers change no batch (test_resumed_run_... above).
+STOPS = [([5], 0), ([7], 0), ([14], 0), ([3, 5], 0), ([8, 17], 0), ([7], 2), ([8, 17], 2)]
+
+
 @pytest.mark.parametrize("kind", ["sequential", "distributed"])
-@pytest.mark.parametrize("stops", [[5], [7], [14], [3, 5], [8, 17]], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("stops, workers", STOPS,
+                         ids=[f"{'-'.join(map(str, s))}-num_workers={w}" for s, w in STOPS])
 def test_loader_resumes_where_it_stopped(kind: str, workers: int, stops: list[int]) -> None:
     """Killed after ``stops[0]`` batches (7: an epoch's last), restored, maybe killed and restored again."""
     torch.manual_seed(0)
