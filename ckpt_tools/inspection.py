@@ -45,7 +45,7 @@ from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.floor import Floor, forward_floor
 from ckpt_plugin.measure.memory import REST, SavedBytes, side_effect_free
 from ckpt_plugin.measure.report import StepMeasure, measure_step, on_fake_model
-from ckpt_plugin.measure.values import with_values_replayed
+from ckpt_plugin.measure.values import ValueRecord, recorded_values, values_line, with_values_replayed
 from ckpt_plugin.units import format_bytes
 
 
@@ -61,6 +61,7 @@ class Inspection:
     flops: tuple[int, int]  # whole step, without and with
     peaks: tuple[dict[str, int], dict[str, int]]  # by category, without and with
     floor: Floor | None = None  # the forward's own floor (ckpt_plugin/measure/floor.py): no config goes below it
+    values: ValueRecord | None = None  # a step that reads values: what one forward without autograd recorded
 
     def __str__(self) -> str:
         rows = [*self.names, REST]
@@ -89,6 +90,8 @@ class Inspection:
                 )
         if self.floor is not None and "act" in p0:
             lines.append(f"  the forward's own floor: {self.floor.sentence(p0['act'])}")
+        if self.values is not None:
+            lines.append(f"  {values_line(self.values)}")
         return "\n".join(line for line in lines if line)
 
 
@@ -136,7 +139,7 @@ def inspect_step(
         recompute[REST] = (f1 - f0) - sum(recompute.values())
         floor = forward_floor(model, step_loss, fake=fake)
         return Inspection(type(model).__name__, names, without.kept, with_ckpt.kept, recompute, (f0, f1),
-                          (without.peaks, with_ckpt.peaks), floor)
+                          (without.peaks, with_ckpt.peaks), floor, recorded_values(model) if fake else None)
 
     # a step that reads values: its fake runs replay what one real step without autograd read
     return with_values_replayed(model, step_loss, inspected) if fake else inspected()

@@ -115,6 +115,8 @@ def test_a_step_that_reads_values_is_inspected_on_fake_tensors_as_real_ones_coun
     fake = inspect_step(model, lambda: model(x).sum(), layers="Linear")
     real = inspect_step(model, lambda: model(x).sum(), fake=False, layers="Linear")
     assert fake.names == real.names == ["inner"]
+    assert fake.values is not None and fake.values.reads == 1 and real.values is None
+    assert "  the forward reads values (1 read): one forward without autograd recorded them" in str(fake)
     assert (fake.without, fake.with_ckpt, fake.flops, fake.peaks) == (real.without, real.with_ckpt, real.flops,
                                                                        real.peaks)
 
