@@ -54,7 +54,7 @@ def _interpreter_path() -> tuple[str, ...]:
     return tuple(json.loads(out))
 
 
-def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, path: list[str]) -> None:
+def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, path: list[str], status: str) -> None:
     """The child: become ``python *argv`` in ``cwd`` with ``env``, then exit with the script's code."""
     for fd, name, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
         os.dup2(os.open(name, flags), fd)
@@ -89,7 +89,9 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, pa
         print(code, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+    exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+    Path(status).write_text(str(exit_code))  # read by run(): the server may not live to pass it on
+    os._exit(exit_code)
 
 
 def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -103,16 +105,20 @@ def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = [first, *pythonpath, *_interpreter_path()]
     with tempfile.TemporaryDirectory(prefix="warm-python-") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        out, err, status = (os.path.join(tmp, name) for name in ("stdout", "stderr", "status"))
         Path(out).touch()
         Path(err).touch()
         with _LOCK:  # one request at a time to the server (it serves them in order anyway)
-            child = _context().Process(target=_main, args=(list(argv), str(cwd), dict(env), out, err, path))
+            child = _context().Process(target=_main, args=(list(argv), str(cwd), dict(env), out, err, path, status))
             child.start()
         child.join(timeout)
         if child.exitcode is None:
             child.kill()
             child.join()
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
-        return subprocess.CompletedProcess([sys.executable, *argv], child.exitcode,
-                                           Path(out).read_text(), Path(err).read_text())
+        # The exit code as the run wrote it: multiprocessing answers 255 for a forkserver child whose status
+        # the server could not pass on (popen_forkserver.poll: EOF on its socket), seen once in a full suite
+        # run after a recipe had trained to its end. A run killed before it wrote one: the exit code as reported.
+        written = Path(status).read_text() if os.path.exists(status) else ""
+        code = int(written) if written.strip().lstrip("-").isdigit() else child.exitcode
+        return subprocess.CompletedProcess([sys.executable, *argv], code, Path(out).read_text(), Path(err).read_text())
