@@ -207,7 +207,16 @@ CASES = [
     # ckpt=auto and ckpt.budget
     case("ckpt=auto", "ckpt.budget", "ckpt=auto",
          "ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing (0.4) or a size "
-         "(2GiB)"),
+         "(2GiB), or ckpt.memory: the device memory for the whole step (70GiB, device)"),
+    case("ckpt=auto  ckpt.memory=2GiB  ckpt.budget=0.5", "ckpt.memory", "'2GiB'",
+         "ckpt.memory='2GiB' cannot be combined with ckpt.budget=0.5: ckpt.budget is the activation memory alone (a "
+         "share of the peak without checkpointing, or a size), ckpt.memory the device memory the whole step must fit "
+         "on one rank (parameters, gradients, optimizer state, activations); drop one of the two"),
+    case("ckpt=auto  ckpt.memory=70", "ckpt.memory", "70",
+         "ckpt.memory=70 would be 70 bytes (an integer is a number of bytes): did you mean a size with a unit?; ..."),
+    case("ckpt=auto  ckpt.memory=8GiB  ckpt.batch=4", "ckpt.batch", "4",
+         "ckpt.batch=4 (int) must be null (the batch the dataloader has) or max (the largest micro-batch whose whole "
+         "step fits ckpt.memory); a batch size of 4 is the dataloader's own setting (its batch_size)"),
     case("ckpt=auto  ckpt.budget=2", "ckpt.budget", "2",
          "ckpt.budget=2 would be 2 bytes (an integer is a number of bytes): did you mean a fraction or a size with "
          f"a unit?; write e.g. 0.4, 40% or 2GiB, or 2B if 2 bytes are meant; {BUDGET_FORMS}"),
@@ -234,7 +243,8 @@ CASES = [
     case("ckpt=auto  ckpt.budget=0.5  ckpt.preserve_rng_state=2", "ckpt.preserve_rng_state", "2",
          "ckpt.preserve_rng_state=2 (int) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  +ckpt.segments=2", "ckpt.segments", "ckpt.segments",
-         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, preserve_rng_state, budget, compile, timing, plan"),
+         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, preserve_rng_state, budget, "
+         "memory, batch, compile, timing, plan"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.timing=compiledd", "ckpt.timing", "'compiledd'",
          "ckpt.timing='compiledd' is neither 'auto', 'eager', 'compiled' nor a torch.compile backend; "
          "closest first: 'compiled', ..."),

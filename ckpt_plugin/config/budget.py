@@ -5,7 +5,7 @@
 
 A size is a number and a unit (B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB,
 TiB powers of 1024), in any case, with or without a space between them, or an
-integer number of bytes. Anything else is a :class:`~ckpt_plugin.errors.ConfigError`
+integer number of bytes: read as ckpt.memory's are (``units.py``). Anything else is a :class:`~ckpt_plugin.errors.ConfigError`
 naming ``ckpt.budget``, the value and these forms: a budget never falls back to a default.
 
 Typed in a config or on a command line (``typed=True``: Hydra apps, through
@@ -17,20 +17,17 @@ two bytes. In Python a computed byte count (``budget=peak // 2``) may be any siz
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.units import format_bytes
+from ckpt_plugin.units import LEAST_TYPED_BYTES, SIZE_UNITS, format_bytes, parse_size
 
+# ckpt=auto takes ckpt.memory instead (config/memory.py): an unset budget names both.
 _NEEDS_BUDGET = (
-    "ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing (0.4) or a size (2GiB)"
+    "ckpt=auto needs ckpt.budget: a fraction of the activation peak without checkpointing (0.4) or a size (2GiB), "
+    "or ckpt.memory: the device memory for the whole step (70GiB, device)"
 )
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_LEAST_TYPED = 2**20  # a typed integer budget below 1 MiB (but 1, the whole peak) needs a unit: see the docstring
-_SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)$", re.IGNORECASE)
 
 
 # ---------------------------------------------------------------------- the budget
@@ -52,7 +49,6 @@ class Budget:
 LEAST = "min"
 _FORMS = ("a fraction of the activation peak without checkpointing (0.4, 40%), a size "
           "(2GiB, 512MiB, 300MB, '2 GiB', or an integer number of bytes), or min (the least peak reachable)")
-_UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024), in any case"
 
 
 def _wrong(problem: str, fix: str = "") -> ConfigError:
@@ -89,7 +85,7 @@ def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
     if isinstance(budget, int):
         if budget <= 0:
             raise _not_positive(budget)
-        if typed and 1 < budget < _LEAST_TYPED:
+        if typed and 1 < budget < LEAST_TYPED_BYTES:  # a slip, not bytes: see the docstring
             raise _wrong(f"ckpt.budget={budget} would be {budget} bytes (an integer is a number of bytes): "
                          "did you mean a fraction or a size with a unit?",
                          f"write e.g. 0.4, 40% or 2GiB, or {budget}B if {budget} bytes are meant")
@@ -106,13 +102,12 @@ def parse_budget(budget: Any, *, typed: bool = False) -> Budget:
         pass
     else:
         return _fraction(value / 100 if number is not text else value, budget, percent=number is not text)
-    match = _SIZE.match(text)
-    if match is None:
+    size = parse_size(text)
+    if size is None:
         if text.startswith("-"):
             raise _not_positive(budget)
         raise ConfigError([Problem("ckpt.budget", f"ckpt.budget={budget!r} is not a budget: write {_FORMS}",
-                                   f"a size's unit is {_UNIT_NAMES}")])
-    size = int(float(match[1]) * _UNITS[match[2].lower()])
+                                   f"a size's unit is {SIZE_UNITS}")])
     if size <= 0:
         raise _not_positive(budget)
     return Budget(bytes=size)

@@ -14,7 +14,8 @@ HELP: dict[str, str] = {
         "full (torch's checkpoint around each layer: keep its inputs, recompute the rest), selective (save the "
         "outputs of the ops that policy names, recompute the others), offload (no recompute: what the layers save "
         "lives in CPU memory), auto (per layer keep, selective with either matmul policy, or full: the fastest "
-        "step that fits budget) or none (train without checkpointing; every other key is accepted and ignored)."
+        "step that fits budget or memory) or none (train without checkpointing; every other key is accepted and "
+        "ignored)."
     ),
     "layers": (
         "The modules to checkpoint, required unless mode is none: auto (the model's repeated block), class names "
@@ -44,8 +45,19 @@ HELP: dict[str, str] = {
     "save_names": "selective with policy names: save exactly the checkpoint_name tensors named here.",
     "exclude_names": "selective with policy names: save every checkpoint_name tensor except these.",
     "budget": (
-        "auto, and full with segments optimal, required there: the activation memory to fit, a fraction of the "
-        "peak without checkpointing (0.4, 40%), a size (2GiB, 512MiB), or min (the least peak reachable)."
+        "auto (or memory instead), and full with segments optimal, required there: the activation memory to fit, a "
+        "fraction of the peak without checkpointing (0.4, 40%), a size (2GiB, 512MiB), or min (the least peak "
+        "reachable)."
+    ),
+    "memory": (
+        "auto, instead of budget: the device memory the whole step must fit on one rank (parameters, gradients, "
+        "optimizer state, activations and temporaries), a size (70GiB, 500MB), device (the accelerator's total "
+        "memory less a 5% margin) or a fraction of that total (0.9, 90%; CUDA only)."
+    ),
+    "batch": (
+        "auto with memory: null (the batch the dataloader has) or max (the largest micro-batch whose whole step "
+        "fits memory, found by planning; it sets the train dataloader's batch size, as Lightning's "
+        "BatchSizeFinder does) (unset: null)."
     ),
     "deepspeed": (
         "full: DeepSpeed's own checkpoint, under a DeepSpeed strategy, with these options (partition_activations, "
@@ -63,7 +75,7 @@ HELP: dict[str, str] = {
     ),
     "plan": (
         "ckpt=auto: the path of a plan file (the ckpt_plan.json a ckpt=auto run writes in the Trainer's log dir) "
-        "to install as it is, without planning; layers and budget are then not needed (unset: plan)."
+        "to install as it is, without planning; layers and budget (or memory) are then not needed (unset: plan)."
     ),
 }
 

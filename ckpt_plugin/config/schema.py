@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_plugin.config.budget import Budget, parse_budget
 from ckpt_plugin.config.deepspeed import DeepSpeedCheckpointing, settings_of
 from ckpt_plugin.config.keys import HELP
+from ckpt_plugin.config.memory import Memory, batch_problems, parse_memory
 from ckpt_plugin.config.values import compile_problems, every_n_problems, read_layers, timing_problems
 from ckpt_plugin.errors import ConfigError, Problem, closest_first, raise_problems
 
@@ -56,12 +57,18 @@ class LayerSelection:
     # Values read into their types when the config is built (never again). Class attributes, not annotated: not
     # keys, so not fields (as_keys, Hydra's node and the callback's signature see only the keys).
     _budget = None  # Budget | None
+    _memory = None  # Memory | None
     _policy = None  # PolicySpec | None
 
     @property
     def read_budget(self) -> Budget | None:
         """``ckpt.budget`` as read when this config was built; None where the mode has none or it was not given."""
         return self._budget
+
+    @property
+    def read_memory(self) -> Memory | None:
+        """``ckpt.memory`` as read when this config was built; None where the mode has none or it was not given."""
+        return self._memory
 
     @property
     def read_policy(self) -> PolicySpec | None:
@@ -103,6 +110,19 @@ def _read_budget(budget: Any) -> tuple[Budget | None, list[Problem]]:
     """``ckpt.budget`` read (``config/budget.py``), and its problems."""
     try:
         return parse_budget(budget), []
+    except ConfigError as err:
+        return None, err.problems
+
+
+def _unset(value: Any) -> bool:
+    """A key left out: null, ``???`` (OmegaConf's MISSING, as a preset may leave it) or blank."""
+    return value is None or (isinstance(value, str) and value.strip() in ("", "???"))
+
+
+def _read_memory(memory: Any) -> tuple[Memory | None, list[Problem]]:
+    """``ckpt.memory`` read (``config/memory.py``), and its problems."""
+    try:
+        return parse_memory(memory), []
     except ConfigError as err:
         return None, err.problems
 
@@ -219,23 +239,46 @@ class OffloadConfig(LayerSelection):
 
 @dataclass(kw_only=True)
 class AutoConfig(LayerSelection):
-    """``ckpt=auto``: per layer keep, selective (two policies) or full, the least recompute that fits a budget."""
+    """``ckpt=auto``: per layer keep, selective (two policies) or full, the least recompute that fits a budget
+    (the activations) or a memory (the whole step, with ckpt.batch=max the largest batch that does)."""
 
     mode: str = "auto"
     budget: float | int | str | None = None  # read into a Budget (read_budget)
+    memory: float | int | str | None = None  # read into a Memory (read_memory); instead of budget
+    batch: str | None = None  # null (the dataloader's) or max (the largest that fits memory)
     preserve_rng_state: bool = True
     compile: bool | str = False
     timing: str = "auto"  # auto, eager, compiled or a backend's name
     plan: str | os.PathLike | None = None  # a plan file's path
 
     def __post_init__(self) -> None:
-        given = self.plan is not None  # the file decides what is wrapped: layers and budget may be left out
+        given = self.plan is not None  # the file decides what is wrapped: layers and budget (or memory) may be unset
         problems = [p for p in self._read_selection() if not (given and self.layers is None and p.key == "ckpt.layers")]
         problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)
-        if not (given and self.budget is None):
+        problems += self._read_fit()
+        raise_problems(problems + compile_problems(self) + timing_problems(self.timing))
+
+    def _read_fit(self) -> list[Problem]:
+        """Read what the plan fits, into ``_budget`` or ``_memory``, and its problems: one of ckpt.budget (the
+        activations) and ckpt.memory (the whole step), never both, and neither with a plan file; ckpt.batch=max
+        searches against the memory."""
+        budget, memory = not _unset(self.budget), not _unset(self.memory)
+        problems: list[Problem] = []
+        if memory:
+            self._memory, problems = _read_memory(self.memory)
+        if budget or not (memory or self.plan is not None):  # unset, its read is the "needs ckpt.budget" problem
             self._budget, more = _read_budget(self.budget)
             problems += more
-        raise_problems(problems + compile_problems(self) + timing_problems(self.timing))
+        if budget and memory:
+            problems.append(Problem(
+                "ckpt.memory",
+                f"ckpt.memory={self.memory!r} cannot be combined with ckpt.budget={self.budget!r}: ckpt.budget is "
+                "the activation memory alone (a share of the peak without checkpointing, or a size), ckpt.memory "
+                "the device memory the whole step must fit on one rank (parameters, gradients, optimizer state, "
+                "activations)",
+                "drop one of the two",
+            ))
+        return problems + batch_problems(self.batch, memory)
 
 
 def _plan_problems(value: Any) -> list[Problem]:
@@ -255,7 +298,7 @@ def _plan_problems(value: Any) -> list[Problem]:
 # ckpt=none's keys: every other mode's, with what it shows for them (it reads none of them).
 _NONE_KEYS = {"layers": None, "every_n": 1, "preserve_rng_state": True, "check_recompute": False, "segments": None,
               "offload": False, "policy": None, "save_names": None, "exclude_names": None, "budget": None,
-              "deepspeed": None, "compile": False, "timing": None, "plan": None}
+              "memory": None, "batch": None, "deepspeed": None, "compile": False, "timing": None, "plan": None}
 NoneConfig = make_dataclass(
     "NoneConfig", [("mode", str, field(default="none")), *((k, Any, field(default=v)) for k, v in _NONE_KEYS.items())],
     kw_only=True)

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_plugin.config.schema import MODES, AutoConfig, make_config, user_keys
+from ckpt_plugin.config.schema import MODES, make_config, user_keys
 from ckpt_plugin.config.hydra import CALLBACK_TARGET
 from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 
@@ -192,11 +192,20 @@ def check_app_config(cfg: Any, trainer: Any = None) -> None:
         except ConfigError as err:
             problems += err.problems
             continue
-        if isinstance(config, AutoConfig) or getattr(config, "budget", None) is not None:  # auto's, optimal's
+        # Read again as typed, where the config read them (auto's, optimal's): an integer below 1 MiB is a slip
+        # for a fraction or a size.
+        if getattr(config, "read_budget", None) is not None:
             from ckpt_plugin.config.budget import parse_budget
 
-            try:  # typed here: an integer below 1 MiB is a slip for a fraction or a size
+            try:
                 parse_budget(config.budget, typed=True)
+            except ConfigError as err:
+                problems += err.problems
+        if getattr(config, "read_memory", None) is not None:
+            from ckpt_plugin.config.memory import parse_memory
+
+            try:
+                parse_memory(config.memory, typed=True)
             except ConfigError as err:
                 problems += err.problems
         if getattr(config, "deepspeed", None) is None:
