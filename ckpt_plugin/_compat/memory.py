@@ -39,6 +39,17 @@ class CategoryPeakTracker(MemTracker):
         # op by op, between the hooks of its submodules. In backward, autograd runs its nodes
         # with grad mode off (unless create_graph), and checkpoint re-enables it for the
         # recomputation: so a grad-enabled op in backward is a recomputed activation.
+        #
+        # Lightning steps with ``optimizer.step(closure)``: forward and backward run inside the step, under
+        # MemTracker's optimizer pre-hook, which would file them all as optimizer state. torch's optimizers do
+        # their own math with grad mode off, and the closure runs forward with it on; so an op under the step
+        # with grad mode on, or in backward, is the closure's, filed as MemTracker files it outside a step.
+        if self._in_opt and (torch.is_grad_enabled() or self._mod_tracker.is_bw):
+            self._in_opt = False
+            try:
+                return self.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._in_opt = True
         if not self._in_ac and torch.is_grad_enabled() and self._mod_tracker.is_bw:
             self._in_ac = True
             try:

@@ -3,14 +3,16 @@ will run, and what its summary says; or a saved plan (``ckpt.plan``), installed 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ckpt_plugin._compat import compiled_by_user
 from ckpt_plugin.apply.diagnose import least_lines, with_reasons
+from ckpt_plugin.apply.memory import fit_memory, whole_of
 from ckpt_plugin.apply.strategies import (
     Chosen,
     Measuring,
@@ -20,6 +22,7 @@ from ckpt_plugin.apply.strategies import (
     strategies,
 )
 from ckpt_plugin.config.budget import Budget, resolve
+from ckpt_plugin.config.memory import resolve_memory
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.plan import WrapPlan
@@ -41,16 +44,30 @@ def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
 
 
 def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
-              note: str) -> WrapPlan:
+              note: str, optimizers: Sequence[torch.optim.Optimizer] = (),
+              timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None) -> WrapPlan:
     """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
     step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
-    fits, with what stands in the way (eager steps: ``diagnose.py``)."""
+    fits, with what stands in the way (eager steps: ``diagnose.py``). ``ckpt.memory``: the fastest plan whose whole
+    step, ``optimizers`` stepping, fits (``memory.py``). ``timing_forward``: the forward the options are timed on
+    (``ckpt.batch=max``: the batch the loader had, never the larger one planned for), ``forward`` by default;
+    ``step``: what ``ckpt.memory``'s whole step runs to its loss (the callback: ``training_step``), ``forward``
+    by default."""
     budget = config.read_budget
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
     eager = not compiled and backend is None
-    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state)
+    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state, timing_forward)
     tried = strategies(measuring, eager)
+    if config.read_memory is not None:
+        limit = resolve_memory(config.read_memory, next(model.parameters()).device)
+        chosen, fit = fit_memory(tried, limit, lambda plan: whole_of(model, plan, step or forward, optimizers))
+        budget = Budget(bytes=fit.activation_budget)
+        made = (_regions(chosen, config, budget, names, note, "") if isinstance(chosen.strategy, NestedRegions)
+                else _per_layer(chosen, config, budget, backend, eager, note, ""))
+        lines = fit.lines(str(config.memory)) + ([] if optimizers else [
+            "  no optimizer was given: its state is not counted (the callback steps the Trainer's optimizers)"])
+        return replace(made, summary="\n".join([*lines, made.summary]), fit=fit)
     if budget.least:
         chosen = least_of(tried)
     else:
@@ -80,7 +97,10 @@ def _per_layer(chosen: Chosen, config: AutoConfig, budget: Budget, backend: str 
                  f"{' or parts of it' if eager else ''} is {format_bytes(peak)} "
                  f"({peak / measured.no_ckpt_peak:.2f} of the peak without checkpointing)")
         summary = "\n".join(filter(None, [least, in_the_way, summary]))
-    if not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
+    if not plan.names and config.read_memory is not None:  # not silent: the limit holds the step as it is
+        summary += (f"\nckpt.memory={config.memory} holds the whole step without checkpointing: every layer is "
+                    "kept, none is wrapped")
+    elif not plan.names:  # not silent: a budget above the peak is why nothing is wrapped
         summary += (f"\nckpt.budget={config.budget} is at least the activation peak without checkpointing "
                     f"({format_bytes(measured.no_ckpt_peak)}): every layer is kept, none is wrapped")
     if backend is not None and plan.names:

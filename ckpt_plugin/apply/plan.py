@@ -12,10 +12,11 @@ call runs (``treatment.py``), one checkpoint per layer or segments over a chain
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ckpt_plugin._compat import user_module
@@ -33,13 +34,18 @@ from ckpt_plugin.measure.sample import example_forward
 from ckpt_plugin.measure.values import recorded_values, values_line, with_values_replayed
 
 
-def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None) -> WrapPlan:
+def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None, *,
+             optimizers: Sequence[torch.optim.Optimizer] = (),
+             timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None) -> WrapPlan:
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
     profile and the segments' chain check (on fake tensors); by default
     ``model(model.example_input_array)``, if it has one. ``model`` may be
     wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
+    ``optimizers``: what the training step steps, for ``ckpt.memory``'s whole step (their state is counted);
+    ``timing_forward``: ``ckpt=auto``'s options are timed on it; ``step``: the training step to its loss, which
+    ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``).
     """
     given, model = model, user_module(model)
     if isinstance(config, NoneConfig):
@@ -51,7 +57,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     names = select_layers(model, layers, config.every_n)
     if isinstance(config, AutoConfig):
         forward = forward or sample_forward(model)
-        return planned(model, forward, "ckpt.mode", lambda: auto_plan(given, model, config, names, forward, note))
+        return planned(model, forward, "ckpt.mode", lambda: auto_plan(
+            given, model, config, names, forward, note, optimizers, timing_forward, step))
     segments = getattr(config, "segments", None)
     if segments is None:
         backend = backend_of(config.compile)
@@ -78,6 +85,13 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
         return optimal_plan(model, config, names, forward, note) if optimal else plan
 
     return planned(model, forward, "ckpt.segments", checked)
+
+
+def candidates(model: nn.Module, config: AutoConfig) -> list[str]:
+    """The qualified names ``ckpt=auto`` plans over (``ckpt.layers``, ``every_n``), as :func:`plan_for` finds them."""
+    model = user_module(model)
+    layers, _note = resolve_layers(model, config.layers)
+    return select_layers(model, layers, config.every_n)
 
 
 def planned(model: nn.Module, forward: Callable[[], Any], key: str, plan: Callable[[], WrapPlan]) -> WrapPlan:
@@ -109,4 +123,4 @@ def sample_forward(model: nn.Module, key: str = "ckpt.mode", who: str = "ckpt=au
     return example_forward(model)
 
 
-__all__ = ["plan_for", "sample_forward"]
+__all__ = ["candidates", "plan_for", "sample_forward"]

@@ -55,6 +55,8 @@ class Measuring:
     forward: Callable[[], Any]
     compiled: dict[Option, str]  # the options timed compiled (apply.auto.timed_compiled)
     preserve_rng_state: bool
+    timing_forward: Callable[[], Any] | None = None  # what the options are timed on (None: forward)
+    timed: bool = True  # False: memory only (ckpt.batch=max's search for the least plan's peak)
     _cache: ProfileCache = field(default_factory=ProfileCache)
     _profiles: dict[int, Profile] = field(default_factory=dict)
 
@@ -63,8 +65,9 @@ class Measuring:
 
     def profile(self, depth: int) -> Profile:
         if depth not in self._profiles:
-            self._profiles[depth] = profile(self.model, self.names, self.run, timed=True, compiled=self.compiled,
-                                            depth=depth, cache=self._cache)
+            timed_on = self.run if self.timing_forward is None else lambda: scalar(self.timing_forward())
+            self._profiles[depth] = profile(self.model, self.names, self.run, timed=self.timed, compiled=self.compiled,
+                                            depth=depth, cache=self._cache, timing_forward=timed_on)
         return self._profiles[depth]
 
 

@@ -58,6 +58,7 @@ class WrapPlan:
     planned: Any = None
     note: str = ""
     regroup: tuple[str, ...] = ()  # modules whose forward runs as op groups (``op_groups.py``): parts named in groups
+    fit: Any = None  # ckpt.memory: the whole step predicted for the plan (``apply/memory.py``'s StepFit)
 
     @property
     def names(self) -> list[str]:

@@ -78,6 +78,7 @@ from ckpt_plugin.config.schema import (
 )
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.lightning.memory import StepWatch, check_settable, memory_plan, set_batch_size
 from ckpt_plugin.lightning.sample import sample_call
 from ckpt_plugin.lightning.strategies import (
     error_as_data,
@@ -135,6 +136,8 @@ class ActivationCheckpointing(pl.Callback):
         save_names: str | list[str] | None = None,
         exclude_names: str | list[str] | None = None,
         budget: int | float | str | None = None,
+        memory: int | float | str | None = None,
+        batch: str | None = None,
         deepspeed: dict[str, Any] | None = None,
         compile: bool | str | None = None,  # noqa: A002 -- the key's name in the ckpt node
         timing: str | None = None,
@@ -145,8 +148,8 @@ class ActivationCheckpointing(pl.Callback):
         keys = {
             "layers": layers, "every_n": every_n, "preserve_rng_state": preserve_rng_state,
             "check_recompute": check_recompute, "segments": segments, "offload": offload, "policy": policy,
-            "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "deepspeed": deepspeed,
-            "compile": compile, "timing": timing, "plan": plan,
+            "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "memory": memory,
+            "batch": batch, "deepspeed": deepspeed, "compile": compile, "timing": timing, "plan": plan,
         }
         # None is "the mode's default": left out, so a key the mode lacks is an error only when it is given
         # (Hydra's instantiate hands over every key of the mode's node, its nulls included). Any other
@@ -164,6 +167,9 @@ class ActivationCheckpointing(pl.Callback):
         self._counter: SavedCounter | None = None  # this step's saved bytes, on logged steps
         self._counting: Any = None  # its hooks, between batch start and backward
         self._overkeep_at_step = False  # the over-keeping check waits for the first batch (no sample at fit start)
+        self.batch_size: int | None = None  # ckpt.batch=max: the micro-batch set for this fit
+        self.step_watch: StepWatch | None = None  # ckpt.memory: the whole step predicted, and measured at batch 2
+        self._batches = 0  # training batches of this fit so far
 
     # -- the checkpoint's record: what this fit was trained with ----------------------------------
 
@@ -208,6 +214,8 @@ class ActivationCheckpointing(pl.Callback):
         refused = planning_refused(trainer.strategy, self.config)
         if refused is not None:
             raise refused
+        if isinstance(self.config, AutoConfig) and self.config.batch == "max" and self.config.plan is None:
+            check_settable(pl_module)  # before anything is planned: where the batch size would be written
         try:
             _check_on(pl_module, self.config)
         except ConfigError:
@@ -235,12 +243,17 @@ class ActivationCheckpointing(pl.Callback):
                 "set example_input_array, or choose another ckpt preset",
             )])
         if planning:
-            plan = self._agreed_plan(trainer, pl_module, forward)
+            plan, batch = self._agreed_plan(trainer, pl_module, forward)
+            if batch is not None:
+                set_batch_size(trainer, pl_module, batch)
+                self.batch_size = batch
         else:
             plan = plan_for(pl_module, self.config, forward)
         if plan.summary:
             rank_zero_info(plan.summary)
         self.planned = plan.planned
+        self._batches = 0
+        self.step_watch = StepWatch(plan.fit.split) if plan.fit is not None else None
         rows, options = report_rows(pl_module, plan)
         sharded = sharded_parameters(trainer.strategy)
         without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed
@@ -289,41 +302,47 @@ class ActivationCheckpointing(pl.Callback):
     # -- ckpt=auto: one plan on every rank, kept --------------------------------------------------
 
     def _agreed_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     forward: Callable[[], Any] | None) -> Any:
-        """The plan every rank installs: the checkpoint's on a resume with the same keys, else rank 0's."""
+                     forward: Callable[[], Any] | None) -> tuple[Any, int | None]:
+        """The plan every rank installs: the checkpoint's on a resume with the same keys, else rank 0's; and the
+        batch size ``ckpt.batch=max`` found (rank 0's), or None."""
         if self._resumed is not None:
             plan = plan_from_dict(self._resumed, pl_module, "the checkpoint's plan (trainer.fit(ckpt_path=...))")
             self._resumed = None
             lines = ["ckpt=auto: resuming with the checkpoint's plan, installed as it is, without planning "
                      f"({len(plan.names)} module(s))", str(plan.planned) if plan.planned is not None else ""]
-            return replace(plan, summary="\n".join(filter(None, [plan.note, *lines])))
+            return replace(plan, summary="\n".join(filter(None, [plan.note, *lines]))), None
         world, rank = trainer.world_size, trainer.global_rank
         alone = world == 1 or rank_zero_plans_alone(trainer.strategy, pl_module)
-        plan = error = None
+        plan = error = batch = None
         if rank == 0 or not alone:
             who = "rank 0 measures" if world > 1 and alone else (
                 "every rank measures (in lockstep; rank 0's plan is installed)" if world > 1 else "measuring")
             rank_zero_info(f"ckpt=auto: {who} the candidate layers (memory on fake tensors, step time one layer "
                            "at a time) to plan for ckpt.budget...")
             try:
-                plan = plan_for(pl_module, self.config, forward)
+                if self.config.read_memory is not None:
+                    plan, batch = memory_plan(trainer, pl_module, self.config, forward)
+                else:
+                    plan = plan_for(pl_module, self.config, forward)
             except Exception as err:
                 if world == 1:
                     raise
                 error = err  # said to the other ranks, which would otherwise wait at the broadcast forever
         if world == 1:
-            return plan
+            return plan, batch
         sent = None
         if rank == 0:
             sent = {"error": error_as_data(error)} if error is not None else {
-                "plan": plan_to_dict(plan, pl_module), "summary": plan.summary}
+                "plan": plan_to_dict(plan, pl_module), "summary": plan.summary, "batch": batch,
+                "fit": plan.fit}  # ckpt.memory's prediction (frozen dataclasses of ints): each rank checks its step
         sent = trainer.strategy.broadcast(sent, src=0)
         if rank == 0 and error is not None:
             raise error
         if "error" in sent:
             raise error_from_data(sent["error"])
         agreed = plan_from_dict(sent["plan"], pl_module, "rank 0's plan")
-        return replace(agreed, summary=sent["summary"])
+        # Every rank measures its own step at the second batch against rank 0's prediction.
+        return replace(agreed, summary=sent["summary"], fit=sent["fit"]), sent["batch"]
 
     def _keep(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any) -> None:
         """Keep the plan installed: in the state_dict, and on rank 0 as ``ckpt_plan.json`` in the log dir."""
@@ -362,6 +381,8 @@ class ActivationCheckpointing(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              *args: Any) -> None:
+        if self.step_watch is not None and self._batches == 1:  # the first step with gradients and state alive
+            self.step_watch.start(pl_module, trainer.optimizers)
         if self._overkeep_at_step and self.wrapped:  # the batch is the sample now: on fake tensors, once per fit
             self._overkeep_at_step = False
             check_overkeep(trainer, pl_module, self.config, self.wrapped, batch=batch)
@@ -377,6 +398,15 @@ class ActivationCheckpointing(pl.Callback):
         self._stop_counting()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._batches += 1
+        if self.step_watch is not None:
+            said = self.step_watch.stop(pl_module)
+            if said is not None:
+                rank_zero_info(said)
+                measured = self.step_watch.measured
+                pl_module.log_dict({"ckpt/whole_step_peak_bytes": float(measured.peak),
+                                    "ckpt/predicted_whole_step_peak_bytes": float(self.step_watch.predicted.peak)},
+                                   on_step=True, on_epoch=False)
         self._check_names()  # without example_input_array, the first step is the first forward
         self._stop_counting()
         if self._counter is None:
@@ -408,6 +438,8 @@ class ActivationCheckpointing(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips teardown when fit raises; unwrap here so the module is still left as it was given.
         self._stop_counting()
+        if self.step_watch is not None:
+            self.step_watch.abandon()
         remove_checkpointing(pl_module)
 
 

@@ -54,12 +54,12 @@ def sample_call(trainer: pl.Trainer, pl_module: pl.LightningModule, *, from_batc
         return call_args(trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device)))
     if not from_batch:
         return None
-    with _random_state_kept():
+    with random_state_kept():
         batch = first_batch(trainer, pl_module)
         return None if batch is None else training_call(trainer, pl_module, batch)
 
 
-def _train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+def train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """The train dataloader(s) ``fit`` will use, from wherever it takes them; None if there are none."""
     source = getattr(trainer.fit_loop, "_data_source", None)  # Lightning's own record of fit's data source
     if source is not None and source.instance is not None:
@@ -70,7 +70,7 @@ def _train_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any
 
 
 @contextlib.contextmanager
-def _random_state_kept() -> Iterator[None]:
+def random_state_kept() -> Iterator[None]:
     """Put the torch (CPU and CUDA), Python and NumPy random states back as they were."""
     python = random.getstate()
     numpy = sys.modules.get("numpy")
@@ -90,7 +90,7 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
 
     It draws from the random states (the sampler's seed): :func:`sample_call` puts them back.
     """
-    loaders = _train_dataloader(trainer, pl_module)
+    loaders = train_dataloader(trainer, pl_module)
     if loaders is None:
         return None
     iterator = iter(CombinedLoader(loaders, "max_size_cycle"))  # one loader or a collection, as fit takes them
@@ -162,4 +162,4 @@ def training_call(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
     return None
 
 
-__all__ = ["first_batch", "sample_call", "training_call"]
+__all__ = ["first_batch", "random_state_kept", "sample_call", "train_dataloader", "training_call"]

@@ -97,8 +97,9 @@ def _cuda_peaks(step: Callable[[], None], device: torch.device) -> dict[str, int
 
 
 @contextlib.contextmanager
-def on_fake_model(model: nn.Module, what: str) -> Iterator[None]:
-    """``on_fake_tensors`` with the model's parameters and buffers swapped for their fake copies.
+def on_fake_model(model: nn.Module, what: str) -> Iterator[dict[int, torch.Tensor]]:
+    """``on_fake_tensors`` with the model's parameters and buffers swapped for their fake copies (yielded: id of
+    the real tensor -> its copy, for an optimizer to step them: ``whole_step.py``).
 
     ``on_fake_tensors`` converts parameters, buffers and the batch on use, and
     the mode memoises the copies weakly. Bytes saved and FLOPs come out exact
@@ -118,7 +119,7 @@ def on_fake_model(model: nn.Module, what: str) -> Iterator[None]:
         try:
             for m, name, t in slots:
                 setattr(m, name, copies[id(t)])
-            yield
+            yield copies
         finally:
             for m, name, t in slots:
                 setattr(m, name, t)

@@ -73,7 +73,7 @@ class ProfileCache:
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
             timed: bool = False, compiled: Mapping[Option, str] | None = None, depth: int = 0,
-            cache: ProfileCache | None = None) -> Profile:
+            cache: ProfileCache | None = None, timing_forward: Callable[[], Any] | None = None) -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Three
@@ -94,7 +94,10 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     option at a time, and its parts are timed as the layers are (alike parts
     once); their options reach a layer as options inside it. ``cache``: a
     :class:`ProfileCache` the caller keeps, so that profiling the same model
-    again (deeper) neither steps nor times its layers again.
+    again (deeper) neither steps nor times its layers again. ``timing_forward``: the forward the options are
+    timed on, on real tensors (``ckpt.batch=max`` plans a larger batch than the loader's, and times on the
+    loader's: the options' added times scale alike with the batch, so the planner's choice does not change);
+    ``forward`` by default.
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
@@ -102,14 +105,15 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     def measured() -> Profile:
         with checkpointing_disabled(model), contextlib.ExitStack() as stack:
             return _profile(model, names, forward, fake=fake, timed=timed, compiled=compiled, depth=depth,
-                            cache=ProfileCache() if cache is None else cache, stack=stack)
+                            cache=ProfileCache() if cache is None else cache, stack=stack,
+                            timing_forward=timing_forward or forward)
 
     return with_values_replayed(model, forward, measured) if fake else measured()
 
 
 def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool, timed: bool,
              compiled: Mapping[Option, str] | None, depth: int, cache: ProfileCache,
-             stack: contextlib.ExitStack) -> Profile:
+             stack: contextlib.ExitStack, timing_forward: Callable[[], Any]) -> Profile:
     """:func:`profile`, with the layers unwrapped. The layers are stepped as they are; for their parts
     (``depth``), those with op groups run regrouped (``op_groups.py``) until ``stack`` closes."""
     silenced = cache_warnings_silenced()  # its wrappers are for a moment: the installation warns, once
@@ -166,7 +170,7 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
     measured_options = [*(layer.options for layer in measured.layers), *parts.values()]
     offered = [o for o in OPTIONS if any(o in options for options in measured_options)]
     with cache_warnings_silenced():
-        times = measure_layer_times(model, names, forward, {o: treatment(o) for o in offered},
+        times = measure_layer_times(model, names, timing_forward, {o: treatment(o) for o in offered},
                                     compiled={o: b for o, b in (compiled or {}).items() if o in offered},
                                     parts=timed_parts, cache=cache.timings, whole_step=KEEP in (compiled or {}),
                                     layer_options={layer.name: list(layer.options) for layer in measured.layers})

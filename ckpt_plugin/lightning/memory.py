@@ -1,0 +1,181 @@
+"""``ckpt.memory`` and ``ckpt.batch=max`` under Lightning: the whole step the plan is made for, the batch it is
+made at, and the whole step measured at the second batch.
+
+The whole step measured while planning (``measure/whole_step.py``) runs the
+module's own ``training_step`` on the first training batch (its loss included:
+a large vocabulary's logits and their cross-entropy are part of the step),
+``self.log`` silenced, under the precision plugin's context, and steps the
+Trainer's optimizers. Where there is no batch, or the module optimizes manually
+(its ``training_step`` steps the optimizers itself), it runs the module's call
+on the sample and sums the output, as ``ckpt=auto``'s profile does, and says so.
+
+``ckpt.batch=max``: the batch is searched on fake tensors (``apply/batch.py``),
+then set as Lightning's ``BatchSizeFinder`` sets it.
+
+The size is written where ``BatchSizeFinder`` writes it (``lightning_setattr``: a
+``batch_size`` attribute of the LightningModule, of its ``hparams``, or of the
+datamodule, every one that has it), and the train dataloader is built again from
+it. Both run in ``on_fit_start``, where ``BatchSizeFinder`` runs too, before the
+first batch is drawn. The bound of the search is the train dataset's length, as
+``BatchSizeFinder`` stops there too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+
+from ckpt_plugin._compat import CategoryPeakTracker
+from ckpt_plugin.apply.batch import MOST, BatchFit, Sample, largest_batch
+from ckpt_plugin.apply.plan import candidates, plan_for
+from ckpt_plugin.config.memory import resolve_memory
+from ckpt_plugin.config.schema import AutoConfig
+from ckpt_plugin.engine.plan import WrapPlan
+from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.lightning.sample import first_batch, random_state_kept, sample_call, train_dataloader
+from ckpt_plugin.measure.whole_step import StepSplit, split_of
+from ckpt_plugin.units import format_bytes
+
+ATTRIBUTE = "batch_size"  # BatchSizeFinder's default batch_arg_name
+
+
+def check_settable(pl_module: pl.LightningModule) -> None:
+    """A ConfigError, before anything is planned, where there is no ``batch_size`` to set."""
+    if not lightning_hasattr(pl_module, ATTRIBUTE):
+        raise ConfigError([Problem(
+            "ckpt.batch",
+            f"ckpt.batch=max sets the micro-batch size as Lightning's BatchSizeFinder does, through a `{ATTRIBUTE}` "
+            f"attribute of the LightningModule, its hparams or the datamodule, and {type(pl_module).__name__} has "
+            "none (nor has its datamodule)",
+            f"give the module or the datamodule a `{ATTRIBUTE}` that its train_dataloader reads, or set "
+            "ckpt.batch=null")])
+
+
+def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sample | None:
+    """The sample call (``sample.py``) and, under automatic optimization, the first training batch with the
+    module's ``training_step`` to its loss; None without a sample call."""
+    call = sample_call(trainer, pl_module, from_batch=True)
+    if call is None:
+        return None
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step
+            return pl_module(*args, **kwargs)
+
+    if not pl_module.automatic_optimization:  # its training_step steps the optimizers: not ours to run
+        return Sample(call, run)
+    with random_state_kept():
+        batch = first_batch(trainer, pl_module)
+
+    def step(batch: Any) -> Any:
+        with _logging_silenced(pl_module), trainer.precision_plugin.train_step_context():
+            out = pl_module.training_step(batch, 0)
+        return out["loss"] if isinstance(out, Mapping) else out
+
+    return Sample(call, run, batch, step if batch is not None else None)
+
+
+@contextlib.contextmanager
+def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing for a moment: a measured step on fake tensors logs nothing
+    (outside the loop Lightning would refuse, inside it would keep a fake value)."""
+    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+
+
+def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AutoConfig,
+                forward: Callable[[], Any] | None) -> tuple[WrapPlan, int | None]:
+    """``ckpt=auto`` with ``ckpt.memory``: the plan (and, for ``ckpt.batch=max``, the batch) for the whole step
+    of this module, the Trainer's optimizers stepping."""
+    sample = training_sample(trainer, pl_module)
+    optimizers = list(trainer.optimizers)
+    said = [] if sample is None or sample.step is not None else [
+        "  (the whole step measured runs the module's call and sums its output: "
+        + ("its training_step steps the optimizers itself" if not pl_module.automatic_optimization else
+           "there is no training batch") + ")"]
+    if config.batch != "max" or sample is None:
+        plan = plan_for(pl_module, config, forward, optimizers=optimizers,
+                        step=sample.loss() if sample is not None else None)
+        return _said(plan, said), None
+    names = candidates(pl_module, config)
+    limit = resolve_memory(config.read_memory, pl_module.device)
+    found = largest_batch(pl_module, names, sample, limit, optimizers, bound=_dataset_length(trainer, pl_module),
+                          preserve_rng_state=config.preserve_rng_state)
+    plan = plan_for(pl_module, config, sample.forward(found.batch), optimizers=optimizers, timing_forward=forward,
+                    step=sample.loss(found.batch))
+    return _said(plan, [*found.lines(limit), *said]), found.batch
+
+
+def _said(plan: WrapPlan, lines: list[str]) -> WrapPlan:
+    return replace(plan, summary="\n".join([*lines, plan.summary])) if lines else plan
+
+
+def set_batch_size(trainer: pl.Trainer, pl_module: pl.LightningModule, size: int) -> None:
+    """Write ``size`` where BatchSizeFinder does, and have the fit loop build its train dataloader again."""
+    lightning_setattr(pl_module, ATTRIBUTE, size)
+    # What BatchSizeFinder's _reset_dataloaders does (lightning/pytorch/tuner/batch_size_scaling.py): the loop
+    # builds its combined loader again, from the dataloader hook, at its next setup_data.
+    trainer.fit_loop._combined_loader = None
+
+
+def _dataset_length(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    loader = train_dataloader(trainer, pl_module)
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return max(len(dataset), 1) if dataset is not None else MOST
+    except TypeError:  # an iterable dataset: no length
+        return MOST
+
+
+class StepWatch:
+    """The whole step measured on the second training batch (the first with the gradients and the optimizer's
+    state alive before it, as ``ckpt.memory`` plans it): MemTracker, every category, on CPU; on CUDA the
+    allocator's peak too (``torch.cuda.max_memory_allocated``, which also counts what MemTracker does not see:
+    the batch, the allocator's rounding)."""
+
+    def __init__(self, predicted: StepSplit) -> None:
+        self.predicted = predicted
+        self.measured: StepSplit | None = None
+        self.cuda_peak: int | None = None
+        self._tracker: CategoryPeakTracker | None = None
+
+    def start(self, pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._tracker = CategoryPeakTracker()
+        self._tracker.track_external(pl_module, *optimizers)
+        self._tracker.__enter__()
+
+    def stop(self, pl_module: pl.LightningModule) -> str | None:
+        """The line that compares the step measured with the one predicted; None if it was not started."""
+        if self._tracker is None:
+            return None
+        tracker, self._tracker = self._tracker, None
+        tracker.__exit__(None, None, None)
+        self.measured = split_of(tracker)
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+            self.cuda_peak = torch.cuda.max_memory_allocated(pl_module.device)
+        ratio = self.measured.peak / self.predicted.peak if self.predicted.peak else float("nan")
+        cuda = (f"; the CUDA allocator's peak {format_bytes(self.cuda_peak)} ({self.cuda_peak} B)"
+                if self.cuda_peak is not None else "")
+        return (f"ckpt.memory: the whole step measured at the second batch (MemTracker): {self.measured}; "
+                f"predicted {format_bytes(self.predicted.peak)} ({ratio:.3f} of it measured){cuda}")
+
+    def abandon(self) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
+
+
+__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "memory_plan", "set_batch_size", "training_sample"]

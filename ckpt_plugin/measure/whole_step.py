@@ -1,0 +1,142 @@
+"""The whole training step on one rank, as the device holds it: parameters, gradients, optimizer state, activations
+and temporaries, measured on fake tensors (``ckpt.memory``; docs/fit-a-gpu.md).
+
+    split = whole_step(model, forward, optimizers)   # on fake tensors: nothing allocated
+    split.peak, split.at_peak["grad"], str(split)
+
+The step is Lightning's automatic optimization, in its order
+(``lightning/pytorch/loops/optimization/automatic.py``, ``Closure.closure``):
+``training_step`` (here ``forward()``, the loss), then ``optimizer.zero_grad()``,
+then backward, then ``optimizer.step()``. So the gradients of the step before are
+still alive while the forward runs: from the second step on, the forward peaks over
+parameters, optimizer state *and* a full set of gradients. The step measured is that
+second one: a first step makes the gradients and the optimizer's state (Adam's two
+moments, SGD's momentum) as the real first ``step()`` makes them, then MemTracker
+(``_compat/memory.py``) follows the second, every category. Both run on fake tensors
+(``measure/fake.py``), the user's own optimizer stepping fake copies of its
+parameters (its settings, ``foreach`` and ``fused`` included, as they are), so the
+bytes are the real ones and nothing is allocated; the optimizer's state and the
+parameters' ``.grad`` are put back as they were.
+
+``fake=False`` runs the same two steps on the real tensors (tests and the
+exhaustive search of ``ckpt_tools/fit_search.py`` compare the two); it trains:
+the caller owns the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckpt_plugin._compat import CategoryPeakTracker
+from ckpt_plugin.measure.sample import scalar
+from ckpt_plugin.units import format_bytes
+
+# MemTracker's categories (``_MemRefType``), as the split names them, in the order it prints them.
+CATEGORIES = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradients", "optstate": "optimizer",
+              "activation": "activations", "temp": "temporaries", "other": "other"}
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """The whole step's peak on one device, and what held it at that moment, by MemTracker category.
+
+    ``at_peak``: category (a key of :data:`CATEGORIES`) -> bytes when the total peaked;
+    ``peaks``: each category's own peak over the step (activations peak before gradients do).
+    """
+
+    peak: int
+    at_peak: dict[str, int] = field(default_factory=dict)
+    peaks: dict[str, int] = field(default_factory=dict)
+
+    def share(self, category: str) -> int:
+        return self.at_peak.get(category, 0)
+
+    def __str__(self) -> str:
+        parts = [f"{CATEGORIES[c]} {format_bytes(b)}" for c, b in self.at_peak.items() if b and c in CATEGORIES]
+        return f"{format_bytes(self.peak)} ({self.peak} B): " + ", ".join(parts)
+
+
+Forward = Callable[[], Any]
+
+
+def whole_step(model: nn.Module, forward: Forward, optimizers: Sequence[torch.optim.Optimizer] = (), *,
+               fake: bool = True, what: str = "ckpt.memory's step") -> StepSplit:
+    """The peak of the second of two training steps of ``model`` as it is now (checkpointing installed or not),
+    by category; ``forward()`` runs the model on a sample batch (any output: its floating-point tensors are summed,
+    as ``ckpt=auto``'s profile does). ``optimizers``: those the step steps (none: parameters, gradients and
+    activations only). On fake tensors unless ``fake=False`` (which trains ``model``)."""
+    if not fake:
+        return _two_steps(model, forward, optimizers)
+    from ckpt_plugin.measure.report import on_fake_model  # report.py imports the measurements: no cycle at import
+    from ckpt_plugin.measure.values import with_values_replayed
+
+    def measured() -> StepSplit:
+        with on_fake_model(model, what) as copies, _optimizers_on(optimizers, copies):
+            return _two_steps(model, forward, optimizers)
+
+    return with_values_replayed(model, forward, measured)
+
+
+def _two_steps(model: nn.Module, forward: Forward, optimizers: Sequence[torch.optim.Optimizer]) -> StepSplit:
+    def step() -> None:
+        loss = scalar(forward())
+        for optimizer in optimizers:  # Lightning's closure: after training_step, before backward
+            optimizer.zero_grad()
+        if not optimizers:
+            model.zero_grad()
+        loss.backward()
+        del loss
+        for optimizer in optimizers:
+            optimizer.step()
+
+    step()  # the gradients and the optimizer's state, as the first real step leaves them
+    tracker = CategoryPeakTracker()
+    tracker.track_external(model, *optimizers)
+    with tracker:
+        step()
+    return split_of(tracker)
+
+
+def split_of(tracker: CategoryPeakTracker) -> StepSplit:
+    """What ``tracker`` saw, as a split: the total's peak and the categories at that moment, summed over devices."""
+    snapshot = tracker.get_tracker_snapshot("peak")
+    at_peak: dict[str, int] = {}
+    for device_snapshot in snapshot.values():
+        for key, value in device_snapshot.items():
+            name = getattr(key, "value", str(key)).lower()
+            if name != "total":
+                at_peak[name] = at_peak.get(name, 0) + value
+    total = sum(s.get("Total", 0) for s in snapshot.values())
+    return StepSplit(total, {c: at_peak.get(c, 0) for c in CATEGORIES}, dict(tracker.category_peaks))
+
+
+@contextlib.contextmanager
+def _optimizers_on(optimizers: Sequence[torch.optim.Optimizer], copies: dict[int, torch.Tensor]) -> Iterator[None]:
+    """The optimizers stepping the fake copies of their parameters, from no state; put back as they were.
+
+    ``copies``: id of a real parameter -> its fake copy (``on_fake_model``). A parameter the model does not
+    hold (an optimizer over more than the module) has no copy and stays out of the fake step.
+    """
+    saved = [(o, o.state, [g["params"] for g in o.param_groups], dict(o.__dict__)) for o in optimizers]
+    try:
+        for optimizer in optimizers:
+            optimizer.state = defaultdict(dict)
+            for group in optimizer.param_groups:
+                group["params"] = [copies[id(p)] for p in group["params"] if id(p) in copies]
+        yield
+    finally:
+        for optimizer, state, params, attributes in saved:
+            optimizer.__dict__.update(attributes)  # step counters an LR scheduler's wrapper keeps
+            optimizer.state = state
+            for group, kept in zip(optimizer.param_groups, params, strict=True):
+                group["params"] = kept
+
+
+__all__ = ["CATEGORIES", "StepSplit", "split_of", "whole_step"]
