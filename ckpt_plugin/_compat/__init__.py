@@ -38,6 +38,7 @@ from ckpt_plugin._compat.dynamo import (
     tracing_for_compile,
 )
 from ckpt_plugin._compat.fake import (
+    active_fake_mode,
     fake_read_error,
     fake_tensor_mode,
     in_backward,
@@ -72,6 +73,7 @@ __all__ = [
     "MemTracker",
     "StorageWeakRef",
     "TorchDispatchMode",
+    "active_fake_mode",
     "activation_memory_budget",
     "argument",
     "base_of",

@@ -23,6 +23,13 @@ def fake_tensor_mode(replay: Any = None) -> Any:
     return mode
 
 
+def active_fake_mode() -> Any:
+    """The fake mode in force (``torch._guards``, private), or None on real tensors."""
+    from torch._guards import active_fake_mode as active
+
+    return active()
+
+
 @functools.cache
 def _fake_mode_class() -> type:
     from torch._subclasses.fake_tensor import FakeTensorMode

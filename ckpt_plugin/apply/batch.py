@@ -20,6 +20,7 @@ without autograd.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import tree_leaves, tree_map
+from ckpt_plugin._compat import active_fake_mode, tree_leaves, tree_map
 from ckpt_plugin.apply.memory import too_small, whole_of
 from ckpt_plugin.apply.strategies import Measuring, least_of, strategies
 from ckpt_plugin.errors import ConfigError, Problem
@@ -57,10 +58,26 @@ def resized(data: Any, size: int, to: int) -> Any:
 
 
 def materialized(data: Any) -> Any:
-    """Each expanded tensor of :func:`resized` made contiguous: inside a fake step a fake tensor of the batch's
-    real size (model code may ``view`` it, as a real batch allows), counted there as the device holds a batch."""
+    """Each expanded tensor of :func:`resized` made contiguous: model code may ``view`` it, as a real batch allows."""
     return tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] > 1
                     and t.stride(0) == 0 else t, data)
+
+
+def _held(data: Any) -> Callable[[], Any]:
+    """``data`` materialized once per fake mode and held, as a real batch is: made before the step a measurement
+    tracks (the first of ``whole_step``'s two, or the profile's first call) and alive to its end, as the loader's
+    batch is made before ``training_step`` and lives through it. On real tensors, made at each call."""
+    held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get() -> Any:
+        mode = active_fake_mode()
+        if mode is None:
+            return materialized(data)
+        if mode not in held:
+            held[mode] = materialized(data)
+        return held[mode]
+
+    return get
 
 
 @dataclass(frozen=True)
@@ -82,8 +99,13 @@ class Sample:
         if to is None or to == self.size:
             args, kwargs = self.call
             return lambda: self.run(*args, **kwargs)
-        args, kwargs = resized(self.call, self.size, to)
-        return lambda: self.run(*materialized(args), **materialized(kwargs))
+        call = _held(resized(self.call, self.size, to))
+
+        def forward() -> Any:
+            args, kwargs = call()
+            return self.run(*args, **kwargs)
+
+        return forward
 
     def loss(self, to: int | None = None) -> Callable[[], Any]:
         """The training step to its loss at ``to`` rows (the whole step measures it); the call where there is none."""
@@ -92,8 +114,8 @@ class Sample:
         size = batch_size_of(self.batch)
         if to is None or size is None or to == size:
             return lambda: self.step(self.batch)
-        batch = resized(self.batch, size, to)
-        return lambda: self.step(materialized(batch))
+        batch = _held(resized(self.batch, size, to))
+        return lambda: self.step(batch())
 
 
 @dataclass(frozen=True)
