@@ -200,3 +200,28 @@ def test_batch_max_under_a_trainer_sets_the_loader_and_the_step_it_measures_fits
     said = caplog.text
     assert f"ckpt.batch=max: {batch} samples per micro-batch (the sample had 4)" in said
     assert "ckpt.memory: the whole step measured at the second batch (MemTracker): " in said
+
+
+def test_under_ddp_rank_zero_plans_the_batch_and_every_rank_fits_with_the_buckets_counted(tmp_path):
+    """Two DDP ranks (gloo, CPU; tests/fit_ddp_worker.py): one batch and one plan on both, the reducer's
+    gradient buckets counted in the prediction, and each rank's measured step under the limit as predicted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("fit_ddp_worker.py")
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path / "run")], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=400, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    zero, one = (json.loads((tmp_path / "run" / f"rank{r}.json").read_text()) for r in range(2))
+    assert zero["world_size"] == 2 and zero["batch"] == one["batch"] > 4
+    assert zero["seen"] == one["seen"] == [zero["batch"]] * 3 and zero["data_batch"] == zero["batch"]
+    assert zero["wrapped"] == one["wrapped"] and zero["wrapped"]
+    for rank in (zero, one):
+        assert rank["measured"] <= rank["limit"]
+        assert 0 <= rank["measured"] - rank["predicted"] <= 64  # Lightning's own scalars (8 B measured)
+    assert "DDP's gradient buckets 127.5 KiB" in output

@@ -23,6 +23,7 @@ from ckpt_plugin.apply.strategies import (
 )
 from ckpt_plugin.config.budget import Budget, resolve
 from ckpt_plugin.config.memory import resolve_memory
+from ckpt_plugin.measure.whole_step import Held
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.plan import WrapPlan
@@ -45,14 +46,15 @@ def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
 
 def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
               note: str, optimizers: Sequence[torch.optim.Optimizer] = (),
-              timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None) -> WrapPlan:
+              timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
+              held: Held | None = None) -> WrapPlan:
     """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
     step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
     fits, with what stands in the way (eager steps: ``diagnose.py``). ``ckpt.memory``: the fastest plan whose whole
     step, ``optimizers`` stepping, fits (``memory.py``). ``timing_forward``: the forward the options are timed on
     (``ckpt.batch=max``: the batch the loader had, never the larger one planned for), ``forward`` by default;
     ``step``: what ``ckpt.memory``'s whole step runs to its loss (the callback: ``training_step``), ``forward``
-    by default."""
+    by default; ``held``: what the strategy holds beside the step (DDP's buckets)."""
     budget = config.read_budget
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
@@ -61,7 +63,7 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     tried = strategies(measuring, eager)
     if config.read_memory is not None:
         limit = resolve_memory(config.read_memory, next(model.parameters()).device)
-        chosen, fit = fit_memory(tried, limit, lambda plan: whole_of(model, plan, step or forward, optimizers))
+        chosen, fit = fit_memory(tried, limit, lambda plan: whole_of(model, plan, step or forward, optimizers, held))
         budget = Budget(bytes=fit.activation_budget)
         made = (_regions(chosen, config, budget, names, note, "") if isinstance(chosen.strategy, NestedRegions)
                 else _per_layer(chosen, config, budget, backend, eager, note, ""))

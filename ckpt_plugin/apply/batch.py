@@ -32,7 +32,7 @@ from ckpt_plugin._compat import active_fake_mode, tree_leaves, tree_map
 from ckpt_plugin.apply.memory import too_small, whole_of
 from ckpt_plugin.apply.strategies import Measuring, least_of, strategies
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.measure.whole_step import StepSplit
+from ckpt_plugin.measure.whole_step import Held, StepSplit
 from ckpt_plugin.units import format_bytes
 
 MOST = 2**16  # a batch search stops here where nothing bounds it (a dataset of unknown length)
@@ -185,7 +185,7 @@ def _next_probe(seen: dict[int, int], low: int, high: int, limit: int) -> int:
 
 def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int,
                   optimizers: Sequence[torch.optim.Optimizer], *, bound: int = MOST, preserve_rng_state: bool = True,
-                  key: str = "ckpt.memory") -> BatchFit:
+                  key: str = "ckpt.memory", held: Held | None = None) -> BatchFit:
     """The largest batch (at most ``bound``) whose least plan's whole step fits ``limit`` bytes.
 
     A ConfigError where not even one sample fits, naming the least memory needed and what takes it.
@@ -200,7 +200,7 @@ def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int
         if batch not in tried:
             measuring = Measuring(model, names, sample.forward(batch), {}, preserve_rng_state, timed=False)
             chosen = least_of(strategies(measuring, eager=True))
-            tried[batch] = whole_of(model, chosen.strategy.installed(chosen.plan), sample.loss(batch), optimizers)
+            tried[batch] = whole_of(model, chosen.strategy.installed(chosen.plan), sample.loss(batch), optimizers, held)
         return tried[batch]
 
     low = largest_fitting(lambda batch: least(batch).peak, size, bound, limit)

@@ -36,7 +36,7 @@ from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.wrap import install, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.measure.whole_step import StepSplit, whole_step
+from ckpt_plugin.measure.whole_step import Held, StepSplit, whole_step
 from ckpt_plugin.units import format_bytes
 
 _BISECTIONS = 10  # candidates measured between the least plan and none, at most
@@ -62,12 +62,13 @@ class StepFit:
 
 
 def whole_of(model: nn.Module, plan: WrapPlan, forward: Callable[[], Any],
-             optimizers: Sequence[torch.optim.Optimizer]) -> StepSplit:
-    """The whole step of ``model`` with ``plan`` installed for the measurement (fake tensors), then removed."""
+             optimizers: Sequence[torch.optim.Optimizer], held: Held | None = None) -> StepSplit:
+    """The whole step of ``model`` with ``plan`` installed for the measurement (fake tensors), then removed;
+    ``held``: what the strategy holds beside it."""
     with cache_warnings_silenced():
         install(model, plan)
         try:
-            return whole_step(model, forward, optimizers)
+            return whole_step(model, forward, optimizers).holding(held)
         finally:
             remove_checkpointing(model)
 

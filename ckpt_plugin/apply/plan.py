@@ -32,11 +32,13 @@ from ckpt_plugin.errors import ConfigError, Problem, raise_problems
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.sample import example_forward
 from ckpt_plugin.measure.values import recorded_values, values_line, with_values_replayed
+from ckpt_plugin.measure.whole_step import Held
 
 
 def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None, *,
              optimizers: Sequence[torch.optim.Optimizer] = (),
-             timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None) -> WrapPlan:
+             timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
+             held: Held | None = None) -> WrapPlan:
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
@@ -45,7 +47,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
     ``optimizers``: what the training step steps, for ``ckpt.memory``'s whole step (their state is counted);
     ``timing_forward``: ``ckpt=auto``'s options are timed on it; ``step``: the training step to its loss, which
-    ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``).
+    ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``); ``held``: what the strategy holds
+    on the device beside the step (DDP's gradient buckets).
     """
     given, model = model, user_module(model)
     if isinstance(config, NoneConfig):
@@ -58,7 +61,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     if isinstance(config, AutoConfig):
         forward = forward or sample_forward(model)
         return planned(model, forward, "ckpt.mode", lambda: auto_plan(
-            given, model, config, names, forward, note, optimizers, timing_forward, step))
+            given, model, config, names, forward, note, optimizers, timing_forward, step, held))
     segments = getattr(config, "segments", None)
     if segments is None:
         backend = backend_of(config.compile)

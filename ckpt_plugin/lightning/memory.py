@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from ckpt_plugin._compat import CategoryPeakTracker
@@ -39,7 +40,7 @@ from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.sample import first_batch, random_state_kept, sample_call, train_dataloader
-from ckpt_plugin.measure.whole_step import StepSplit, split_of
+from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 from ckpt_plugin.units import format_bytes
 
 ATTRIBUTE = "batch_size"  # BatchSizeFinder's default batch_arg_name
@@ -98,21 +99,39 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     of this module, the Trainer's optimizers stepping."""
     sample = training_sample(trainer, pl_module)
     optimizers = list(trainer.optimizers)
+    held = strategy_held(trainer, pl_module)
     said = [] if sample is None or sample.step is not None else [
         "  (the whole step measured runs the module's call and sums its output: "
         + ("its training_step steps the optimizers itself" if not pl_module.automatic_optimization else
            "there is no training batch") + ")"]
     if config.batch != "max" or sample is None:
         plan = plan_for(pl_module, config, forward, optimizers=optimizers,
-                        step=sample.loss() if sample is not None else None)
+                        step=sample.loss() if sample is not None else None, held=held)
         return _said(plan, said), None
     names = candidates(pl_module, config)
     limit = resolve_memory(config.read_memory, pl_module.device)
     found = largest_batch(pl_module, names, sample, limit, optimizers, bound=_dataset_length(trainer, pl_module),
-                          preserve_rng_state=config.preserve_rng_state)
+                          preserve_rng_state=config.preserve_rng_state, held=held)
     plan = plan_for(pl_module, config, sample.forward(found.batch), optimizers=optimizers, timing_forward=forward,
-                    step=sample.loss(found.batch))
+                    step=sample.loss(found.batch), held=held)
     return _said(plan, [*found.lines(limit), *said]), found.batch
+
+
+def strategy_held(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Held | None:
+    """What the strategy holds beside the step: under DDP across processes, its reducer's gradient buckets, one
+    copy of the gradients (unless ``gradient_as_bucket_view=True`` makes the gradients views into them).
+
+    Measured with 2 gloo ranks (tests/fit_ddp_worker.py): the second step held the parameters' bytes more than
+    the step alone (DDP rebuilds its buckets in the second forward, where MemTracker sees them made); on CUDA
+    the allocator holds them throughout.
+    """
+    strategy = trainer.strategy
+    if trainer.world_size < 2 or not isinstance(strategy, DDPStrategy):
+        return None
+    if getattr(strategy, "_ddp_kwargs", {}).get("gradient_as_bucket_view", False):  # Lightning keeps DDP's kwargs
+        return None
+    size = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+    return Held(size, "DDP's gradient buckets")
 
 
 def _said(plan: WrapPlan, lines: list[str]) -> WrapPlan:
@@ -178,4 +197,5 @@ class StepWatch:
             self._tracker = None
 
 
-__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "memory_plan", "set_batch_size", "training_sample"]
+__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "memory_plan", "set_batch_size", "strategy_held",
+           "training_sample"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,15 @@ CATEGORIES = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradi
 
 
 @dataclass(frozen=True)
+class Held:
+    """Bytes a strategy holds on the device through the step that no tensor of the measured step is, and by what
+    (DDP's gradient buckets: ``lightning/memory.py``). Added to a step's peak and shown in its split."""
+
+    bytes: int
+    by: str
+
+
+@dataclass(frozen=True)
 class StepSplit:
     """The whole step's peak on one device, and what held it at that moment, by MemTracker category.
 
@@ -54,12 +63,21 @@ class StepSplit:
     peak: int
     at_peak: dict[str, int] = field(default_factory=dict)
     peaks: dict[str, int] = field(default_factory=dict)
+    held: Held | None = None  # included in ``peak``
 
     def share(self, category: str) -> int:
         return self.at_peak.get(category, 0)
 
+    def holding(self, held: Held | None) -> StepSplit:
+        """This step with ``held`` on the device beside it."""
+        if held is None or not held.bytes:
+            return self
+        return replace(self, peak=self.peak + held.bytes, held=held)
+
     def __str__(self) -> str:
         parts = [f"{CATEGORIES[c]} {format_bytes(b)}" for c, b in self.at_peak.items() if b and c in CATEGORIES]
+        if self.held is not None:
+            parts.append(f"{self.held.by} {format_bytes(self.held.bytes)}")
         return f"{format_bytes(self.peak)} ({self.peak} B): " + ", ".join(parts)
 
 
@@ -139,4 +157,4 @@ def _optimizers_on(optimizers: Sequence[torch.optim.Optimizer], copies: dict[int
                 group["params"] = kept
 
 
-__all__ = ["CATEGORIES", "StepSplit", "split_of", "whole_step"]
+__all__ = ["CATEGORIES", "Held", "StepSplit", "split_of", "whole_step"]
