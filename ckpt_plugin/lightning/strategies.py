@@ -135,6 +135,16 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
         name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
     if name is None:
         return None
+    if config.read_memory is not None:
+        return ConfigError([Problem(
+            "ckpt.memory",
+            f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step on one "
+            "rank is measured on fake tensors outside the strategy, and the shards of parameters, gradients and "
+            "optimizer state and the units gathered at once are not modelled yet",
+            "under DDP or on one device ckpt.memory plans the whole step; here plan the activations on one "
+            "process (ckpt.budget, whose run writes ckpt_plan.json) and give that file with ckpt.plan=<file>, or "
+            "choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
+        )])
     return ConfigError([Problem(
         "ckpt.mode",
         f"ckpt.mode=auto cannot plan under trainer.strategy {name}: its profile runs the LightningModule's "
