@@ -3,6 +3,7 @@
     ckpt-bench --out bench/                          # default sizes: minutes on 2 CPU cores
     ckpt-bench --quick --out /tmp/bench              # small models, 8 modes, no compile: under two minutes
     python -m ckpt_tools.bench --models gpt --modes none,hand,full,selective --out /tmp/b
+    ckpt-bench --quick --modes none --fit 0.5 --out /tmp/fit    # + ckpt.memory with ckpt.batch=max, timed
     python -m ckpt_tools.bench --device cuda --precision bf16-mixed --models gpt \
         --gpt n_layer=16,n_embd=2048,n_head=16,block_size=1024,batch_size=16 \
         --modes none,full,selective,offload --skip overhead,compiled --keep-going --out /tmp/g
@@ -33,6 +34,16 @@ depths there are 6 bottlenecks but only 3 stages, so ``every_n=2``, ``segments``
 bottleneck is the ResNet's counterpart of a ``TransformerBlock`` (the unit a user
 would wrap by hand).
 
+``--fit LIMIT`` (off by default: minutes per model) adds a ``fit`` row per model
+(``ckpt_tools/fit_check.py``'s ``choose_fit``): ``ckpt=auto ckpt.memory=LIMIT
+ckpt.batch=max`` with the model's own optimizer, LIMIT a fraction of the way from
+the least whole step to the one without checkpointing (``0.5``) or a size
+(``3MiB``): the batch and plan chosen, the whole step predicted (fake tensors) and
+measured (MemTracker, real tensors), and samples per second of the training step
+(forward, zero_grad, backward, optimizer step; timed as the modes are) against no
+checkpointing at the same batch (whether it fits the limit said) and at the
+largest batch that fits without checkpointing (searched on fake tensors).
+
 Writes ``results.json`` ({model: {mode: {peak_bytes, act_peak_bytes,
 flops_ratio, time_ratio, ...}}}), ``results.md`` and ``plot.png`` into ``--out``;
 without matplotlib (an optional dependency, ``ckpt-plugin[bench]``) the two
@@ -43,6 +54,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import copy
 import gc
 import inspect
 import itertools
@@ -53,12 +66,15 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from ckpt_plugin.apply.batch import Sample
+from ckpt_plugin.apply.install import install_plan
 from ckpt_plugin.config.schema import MODES as CKPT_MODES
 from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE
@@ -66,6 +82,7 @@ from ckpt_plugin.errors import closest_first
 from ckpt_plugin.measure.memory import step_flops, step_memory
 from ckpt_plugin.planning.rotor import describe
 from ckpt_tools.compiled import PLUGIN_ROWS, measure_compiled_budget
+from ckpt_tools.fit_check import Subject, choose_fit, limit_of
 from ckpt_tools.overhead import measure_overhead
 from ckpt_tools.workloads import MODELS, MODES, PRECISIONS, ModelSpec, Run, build
 
@@ -214,6 +231,81 @@ def time_steps(
     return times
 
 
+@dataclass
+class FitRun:
+    """A model of a ``--fit`` row training as Lightning does: forward and loss, zero_grad, backward, optimizer step."""
+
+    model: torch.nn.Module
+    batch: tuple[torch.Tensor, ...]
+    optimizer: torch.optim.Optimizer
+    autocast: torch.dtype | None = None
+
+    def step(self) -> None:
+        with _autocast(self.batch[0].device, self.autocast):
+            loss = self.model.loss(self.batch)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        if self.batch[0].device.type == "cuda":
+            torch.cuda.synchronize(self.batch[0].device)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def _rows(batch: tuple[torch.Tensor, ...], size: int) -> tuple[torch.Tensor, ...]:
+    """``batch`` made ``size`` rows long from its own rows, in turn: real data, each row its own memory."""
+    return tuple(t[torch.arange(size, device=t.device) % t.shape[0]] for t in batch)
+
+
+def fit_subject(name: str, args: argparse.Namespace) -> tuple[Subject, Run]:
+    """The bench's model ``name`` (its size, batch and precision) as ``fit_check`` plans it, over ckpt=auto's layers."""
+    spec = MODELS[name]
+    run = build(spec, "none", args.quick, device=args.device, sizes=args.sizes.get(name), precision=args.precision)
+
+    def sample(model: torch.nn.Module) -> Sample:
+        device = run.batch[0].device
+
+        def call(*a: Any, **k: Any) -> Any:
+            with _autocast(device, run.autocast):
+                return model(*a, **k)
+
+        def step(batch: Any) -> torch.Tensor:
+            with _autocast(device, run.autocast):
+                return model.loss(batch)
+
+        return Sample(((run.batch[0],), {}), call, run.batch, step)
+
+    return Subject(name, lambda: copy.deepcopy(run.model), list(spec.auto_layers or [spec.layers]), sample), run
+
+
+def measure_fit(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--fit``: the batch and plan ``ckpt.memory=<limit> ckpt.batch=max`` chooses (the model's own optimizer), the
+    whole step predicted and measured, and samples per second against no checkpointing at the same batch and at
+    the largest batch that fits without it (both found on fake tensors)."""
+    subject, run = fit_subject(name, args)
+    chosen = choose_fit(subject, lambda model: model.configure_optimizers(), args.fit)
+    pristine, plan = chosen.pop("pristine"), chosen.pop("wrap_plan")
+
+    def fresh(size: int, planned: bool) -> FitRun:
+        model = copy.deepcopy(pristine)
+        if planned:
+            install_plan(model, plan)
+        return FitRun(model, _rows(run.batch, size), model.configure_optimizers(), run.autocast)
+
+    runs = {"plan": fresh(chosen["batch"], True), "none": fresh(chosen["batch"], False)}
+    if chosen["none_batch"] and chosen["none_batch"] != chosen["batch"]:
+        runs["none_largest"] = fresh(chosen["none_batch"], False)
+    with tqdm(total=args.repeats * len(runs), desc=f"ckpt-bench --fit {name}", unit="run", file=sys.stderr) as bar:
+        seconds = time_steps(f"{name} fit", runs, args.repeats, args.steps, args.min_seconds, bar)
+    per_second = {k: len(r.batch[0]) / statistics.median(seconds[k]) for k, r in runs.items()}
+    per_second.setdefault("none_largest", per_second["none"] if chosen["none_batch"] else None)
+    return chosen | {"fit": args.fit, "samples_per_s": per_second["plan"], "none_samples_per_s": per_second["none"],
+                     "none_fits": chosen["none_at_batch"] <= chosen["limit"],
+                     "none_largest_samples_per_s": per_second["none_largest"]}
+
+
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     """Names of the points no other point beats in both coordinates (lower is better), by x."""
     front, best_y = [], float("inf")
@@ -271,7 +363,7 @@ def write_plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> str
 
 def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup: dict[str, str],
              overhead: dict[str, Any] | None = None, compiled: dict[str, Any] | None = None,
-             device: str = "cpu") -> str:
+             device: str = "cpu", fit: dict[str, Any] | None = None) -> str:
     lines = ["# ckpt-bench results", "", "```bash", command, "```", ""]
     if torch.device(device).type == "cuda":
         lines += [f"torch {torch.__version__}, {torch.cuda.get_device_name(torch.device(device))}. "
@@ -346,7 +438,31 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup:
                       f"| eager ckpt=auto budget={c['budget']:g} | {c['eager_auto']['saved_bytes'] / MiB:.1f} "
                       f"| {c['eager_act_fraction']:.2f} | {c['eager_time_ratio']:.2f} |"]
         lines.append("")
+    if fit is not None:
+        lines += _fit_table(fit)
     return "\n".join(lines)
+
+
+def _fit_table(fit: dict[str, dict[str, Any]]) -> list[str]:
+    """``--fit``'s rows: what ckpt.memory with ckpt.batch=max chose, and its throughput against no checkpointing."""
+    lines = ["## fit", "",
+             "`ckpt=auto ckpt.memory=<limit> ckpt.batch=max`, the model's own optimizer: the batch and plan chosen "
+             "(planned on fake tensors), the whole step (forward, zero_grad, backward, optimizer step; the second "
+             "of two) predicted and measured (MemTracker, real tensors), and samples per second (median step) "
+             "against no checkpointing at the same batch (whether its whole step fits the limit, on fake tensors) "
+             "and at the largest batch whose whole step fits without checkpointing.", "",
+             "| model | limit | batch | plan | predicted peak | measured peak | samples/s | none at that batch "
+             "| samples/s | largest batch without | samples/s |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+    for model, r in fit.items():
+        fits = "fits" if r["none_fits"] else "does not fit"
+        largest = r["none_largest_samples_per_s"]
+        lines.append(
+            f"| {model} | {r['fit']}: {r['limit'] / MiB:.2f} MiB | {r['batch']} | {r['plan']} "
+            f"| {r['predicted'] / MiB:.2f} MiB | {r['measured'] / MiB:.2f} MiB | {r['samples_per_s']:.1f} "
+            f"| {r['none_at_batch'] / MiB:.2f} MiB: {fits} | {r['none_samples_per_s']:.1f} "
+            f"| {r['none_batch'] or 'none fits'} | {f'{largest:.1f}' if largest is not None else '–'} |")
+    return [*lines, ""]
 
 
 def _choices(choices: dict[str, str] | str) -> str:
@@ -446,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"{spec.plain.__name__} constructor keywords over the default (or --quick) size, "
                             "e.g. n_layer=16,n_embd=2048" if name == "gpt" else
                             f"{spec.plain.__name__} constructor keywords over the default (or --quick) size")
+    parser.add_argument("--fit", default=None, metavar="LIMIT",
+                        help="also a 'fit' row per model: ckpt=auto ckpt.memory=LIMIT ckpt.batch=max, LIMIT a "
+                        "fraction of the way from the least whole step to the one without checkpointing (0.5) or "
+                        "a size (3MiB): the batch and plan chosen, the whole step predicted and measured, samples "
+                        "per second against no checkpointing (off by default: minutes per model)")
     parser.add_argument("--keep-going", action="store_true",
                         help="a mode that fails (an out-of-memory, an error on a new torch) becomes a row naming "
                         "the error instead of ending the run; none must run")
@@ -480,6 +601,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes.insert(0, "none")  # every ratio is to it
     args.sizes = {name: _parse_sizes(getattr(args, name), name, parser) for name in MODELS}
     skipped = _parse_list(args.skip, EXTRAS, "--skip", parser) if args.skip.strip() else []
+    if args.fit is not None:
+        try:
+            limit_of(args.fit, 0, 1)  # its form, before anything runs
+        except ValueError as err:
+            parser.error(str(err))
     problems = _mode_problems(modes)
     if problems:
         parser.error("\n  ".join(["cannot run:", *problems]))
@@ -507,8 +633,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ckpt-bench: torch.compile: torch's activation_memory_budget and the plugin's modes, compiled "
               f"({2 + len(PLUGIN_ROWS)} compiles: minutes)", file=sys.stderr)
         compiled = measure_compiled_budget(quick=args.quick, rounds=5, steps=1, plugin=list(PLUGIN_ROWS))
-    extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled)) if v is not None}
-    table = markdown(results, command, setup, overhead, compiled, device=args.device)
+    fit = None
+    if args.fit is not None:
+        print(f"ckpt-bench: --fit {args.fit}: ckpt.batch=max and the plan for the whole step, timed", file=sys.stderr)
+        fit = {name: measure_fit(name, args) for name in models}
+    extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled), ("fit", fit)) if v is not None}
+    table = markdown(results, command, setup, overhead, compiled, device=args.device, fit=fit)
     print(table)
     written = write_results(args.out, results | extras, table)
     print(f"wrote {', '.join(map(str, written))}")

@@ -57,8 +57,8 @@ from ckpt_plugin.measure.whole_step import StepSplit, whole_step
 from ckpt_plugin.units import format_bytes, parse_size
 from ckpt_tools.workloads import peak_growth
 
-__all__ = ["FRACTIONS", "OPTIMIZERS", "SUBJECTS", "TOLERANCE", "Subject", "choose_fit", "least_plan", "limit_of", "main",
-           "optimizer_of", "options_of", "real_step"]
+__all__ = ["FRACTIONS", "OPTIMIZERS", "SUBJECTS", "TOLERANCE", "Subject", "choose_fit", "least_plan", "limit_of",
+           "main", "optimizer_of", "options_of", "real_step"]
 
 FRACTIONS = (0.1, 0.5, 0.9)  # of the way from the least whole step to the one without checkpointing
 TOLERANCE = 0.02  # predicted / measured whole-step peak, at most this far from 1

@@ -235,3 +235,36 @@ def test_cuda_device_without_cuda_is_refused(capsys: pytest.CaptureFixture[str])
 
 def test_quick_modes_are_bench_modes() -> None:
     assert set(QUICK_MODES) <= set(MODES) and QUICK_MODES[0] == "none"
+
+
+def test_fit_row_chooses_a_batch_and_plan_within_the_limit(tmp_path: Path) -> None:
+    """``--fit 0.5`` on a tiny GPT (the --quick one takes minutes to plan on 2 cores): ckpt.batch=max's batch and
+    the plan for it, whose real whole step is within the limit, beside no checkpointing at that batch and at the
+    largest batch that fits without it. Bytes are asserted, samples per second only for being there."""
+    cmd = ["-m", "ckpt_tools.bench", "--models", "gpt", "--modes", "none", "--repeats", "1", "--steps", "1",
+           "--min-seconds", "0", "--skip", "compiled,overhead", "--fit", "0.5", "--out", "out",
+           "--gpt", "n_layer=2,n_embd=32,n_head=2,block_size=16,batch_size=2"]
+    proc = warm_python.run(cmd, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""}, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    row = json.loads((tmp_path / "out" / "results.json").read_text())["fit"]["gpt"]
+    assert row["limit"] == row["wmin"] + round(0.5 * (row["w0"] - row["wmin"])), row
+    assert row["measured"] <= row["limit"], row
+    assert abs(row["predicted"] / row["measured"] - 1) <= 0.02, row
+    # The limit holds the least plan's step at the sample's batch and not none's: a batch at least the sample's,
+    # which none cannot hold, and a largest batch without checkpointing below the sample's.
+    assert row["batch"] >= row["sample_batch"] and not row["none_fits"], row
+    assert row["none_at_batch"] > row["limit"], row
+    assert row["none_batch"] < row["sample_batch"], row
+    for key in ("samples_per_s", "none_samples_per_s"):
+        assert row[key] > 0, (key, row)
+    assert (row["none_largest_samples_per_s"] is None) == (row["none_batch"] == 0), row
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "## fit" in table and f"| gpt | 0.5: {row['limit'] / 2**20:.2f} MiB | {row['batch']} |" in table
+
+
+def test_fit_limit_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--fit", "half", "--out", "unused"])
+    assert err.value.code == 2
+    assert ("--fit='half' is neither a fraction in [0, 1] of the way from the least whole step to the one without "
+            "checkpointing (0.5) nor a size (3MiB)") in capsys.readouterr().err
