@@ -166,7 +166,8 @@ def test_the_batch_found_is_the_largest_whose_real_step_fits():
     assert real(found.batch + 1) == found.above.peak > 3 * 2**20
 
 
-def test_batch_max_under_a_trainer_sets_the_loader_and_the_step_it_measures_fits(tmp_path, caplog):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_batch_max_under_a_trainer_sets_the_loader_and_the_step_it_measures_fits(tmp_path, caplog, precision):
     import lightning.pytorch as pl
 
     from ckpt_examples.data import TextData
@@ -183,7 +184,7 @@ def test_batch_max_under_a_trainer_sets_the_loader_and_the_step_it_measures_fits
 
     trainer = pl.Trainer(max_steps=3, callbacks=[callback, Sizes()], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                         default_root_dir=tmp_path)
+                         default_root_dir=tmp_path, precision=precision)
     with caplog.at_level("INFO"):
         trainer.fit(model, data)
     batch = callback.batch_size

@@ -12,7 +12,7 @@ from torch import nn
 
 from ckpt_plugin._compat import compiled_by_user
 from ckpt_plugin.apply.diagnose import least_lines, with_reasons
-from ckpt_plugin.apply.memory import fit_memory, whole_of
+from ckpt_plugin.apply.memory import fit_memory, least_plan, whole_of
 from ckpt_plugin.apply.strategies import (
     Chosen,
     Measuring,
@@ -63,7 +63,9 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     tried = strategies(measuring, eager)
     if config.read_memory is not None:
         limit = resolve_memory(config.read_memory, next(model.parameters()).device)
-        chosen, fit = fit_memory(tried, limit, lambda plan: whole_of(model, plan, step or forward, optimizers, held))
+        least = least_plan(measuring, eager) if eager else None  # compiled: bytes as timed compiled
+        chosen, fit = fit_memory(tried, limit, lambda plan: whole_of(model, plan, step or forward, optimizers, held),
+                                 least=least)
         budget = Budget(bytes=fit.activation_budget)
         made = (_regions(chosen, config, budget, names, note, "") if isinstance(chosen.strategy, NestedRegions)
                 else _per_layer(chosen, config, budget, backend, eager, note, ""))

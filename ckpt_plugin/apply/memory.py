@@ -24,13 +24,13 @@ Each candidate costs two steps on fake tensors (``whole_step``) and no memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckpt_plugin.apply.strategies import Chosen, Strategy, first_fit, least_of
+from ckpt_plugin.apply.strategies import Chosen, Measuring, Strategy, first_fit, least_of, strategies
 from ckpt_plugin.config.budget import Budget
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
@@ -74,9 +74,14 @@ def whole_of(model: nn.Module, plan: WrapPlan, forward: Callable[[], Any],
 
 
 def fit_memory(tried: list[Strategy], limit: int, whole: Callable[[WrapPlan], StepSplit],
-               limit_key: str = "ckpt.memory") -> tuple[Chosen, StepFit]:
+               limit_key: str = "ckpt.memory", least: Chosen | None = None) -> tuple[Chosen, StepFit]:
     """The plan of the largest activation budget whose whole step (``whole``: measured with a plan installed)
-    fits ``limit`` bytes; a ConfigError where even ``ckpt.budget=min``'s plan does not fit."""
+    fits ``limit`` bytes; a ConfigError where even ``ckpt.budget=min``'s plan does not fit.
+
+    ``least``: that plan, chosen without timings (default: ``least_of(tried)``). Several plans reach the least
+    activation peak, with other temporaries; timed, the cheapest of them would depend on the machine's noise,
+    and so would a refusal. Chosen by FLOPs (``least_plan``), it is the same plan on every run.
+    """
     reference = next(s for s in tried if s.available()).reference  # the activation peak without checkpointing
     measured: dict[Any, StepSplit] = {}
 
@@ -91,7 +96,7 @@ def fit_memory(tried: list[Strategy], limit: int, whole: Callable[[WrapPlan], St
     everything = _fit(tried, reference)
     if without.peak <= limit:
         return everything, StepFit(limit, without, without, reference, 1 + len(measured))
-    least = least_of(tried)
+    least = least or least_of(tried)
     least_split = of(least)
     if least_split.peak > limit:
         raise ConfigError([too_small(limit, least_split, without, limit_key)])
@@ -108,6 +113,12 @@ def fit_memory(tried: list[Strategy], limit: int, whole: Callable[[WrapPlan], St
             high = middle
     chosen, split, budget = best
     return chosen, StepFit(limit, split, without, budget, 1 + len(measured))
+
+
+def least_plan(measuring: Measuring, eager: bool) -> Chosen:
+    """``ckpt.budget=min``'s plan, its ties broken by FLOPs, not by timings (``fit_memory``)."""
+    # The same cache: the profile's steps on fake tensors are read back, not run again.
+    return least_of(strategies(replace(measuring, timed=False, _profiles={}), eager))
 
 
 def _fit(tried: list[Strategy], budget_bytes: int) -> Chosen:
@@ -131,4 +142,4 @@ def too_small(limit: int, least: StepSplit, without: StepSplit | None, key: str 
         value=limit, least=least.peak)
 
 
-__all__ = ["StepFit", "fit_memory", "too_small", "whole_of"]
+__all__ = ["StepFit", "fit_memory", "least_plan", "too_small", "whole_of"]

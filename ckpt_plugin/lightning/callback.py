@@ -78,7 +78,7 @@ from ckpt_plugin.config.schema import (
 )
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.lightning.memory import StepWatch, check_settable, memory_plan, set_batch_size
+from ckpt_plugin.lightning.memory import StepWatch, check_settable, forward_at, memory_plan, set_batch_size
 from ckpt_plugin.lightning.sample import sample_call
 from ckpt_plugin.lightning.strategies import (
     error_as_data,
@@ -247,6 +247,7 @@ class ActivationCheckpointing(pl.Callback):
             if batch is not None:
                 set_batch_size(trainer, pl_module, batch)
                 self.batch_size = batch
+                forward = forward_at(trainer, pl_module, batch) or forward  # the report: the step as it will run
         else:
             plan = plan_for(pl_module, self.config, forward)
         if plan.summary:
@@ -294,6 +295,8 @@ class ActivationCheckpointing(pl.Callback):
             try:
                 self.report = wrap_report(pl_module, self.wrapped, forward, how=how, rows=rows, options=options,
                                           without=without, planned=planned, peaks=bool(options))
+                if plan.fit is not None:  # ckpt.memory planned the activations for the budget its whole step allows
+                    self.report.budget_is = "the activation budget ckpt.memory allows"
             except NotFakeable as err:
                 rank_zero_info(f"{wrapped} Their kept bytes are not reported: {err}")
             else:
@@ -318,7 +321,8 @@ class ActivationCheckpointing(pl.Callback):
             who = "rank 0 measures" if world > 1 and alone else (
                 "every rank measures (in lockstep; rank 0's plan is installed)" if world > 1 else "measuring")
             rank_zero_info(f"ckpt=auto: {who} the candidate layers (memory on fake tensors, step time one layer "
-                           "at a time) to plan for ckpt.budget...")
+                           "at a time) to plan for " + ("ckpt.memory..." if self.config.read_memory is not None
+                                                        else "ckpt.budget..."))
             try:
                 if self.config.read_memory is not None:
                     plan, batch = memory_plan(trainer, pl_module, self.config, forward)

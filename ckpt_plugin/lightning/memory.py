@@ -58,9 +58,9 @@ def check_settable(pl_module: pl.LightningModule) -> None:
             "ckpt.batch=null")])
 
 
-def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sample | None:
-    """The sample call (``sample.py``) and, under automatic optimization, the first training batch with the
-    module's ``training_step`` to its loss; None without a sample call."""
+def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule, with_batch: bool = True) -> Sample | None:
+    """The sample call (``sample.py``) and, under automatic optimization (and ``with_batch``), the first training
+    batch with the module's ``training_step`` to its loss; None without a sample call."""
     call = sample_call(trainer, pl_module, from_batch=True)
     if call is None:
         return None
@@ -69,7 +69,7 @@ def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sampl
         with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step
             return pl_module(*args, **kwargs)
 
-    if not pl_module.automatic_optimization:  # its training_step steps the optimizers: not ours to run
+    if not pl_module.automatic_optimization or not with_batch:  # manual: its training_step steps the optimizers
         return Sample(call, run)
     with random_state_kept():
         batch = first_batch(trainer, pl_module)
@@ -80,6 +80,12 @@ def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Sampl
         return out["loss"] if isinstance(out, Mapping) else out
 
     return Sample(call, run, batch, step if batch is not None else None)
+
+
+def forward_at(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: int) -> Callable[[], Any] | None:
+    """The sample call, ``batch`` rows long (for the report's steps on fake tensors); None without a sample."""
+    sample = training_sample(trainer, pl_module, with_batch=False)
+    return None if sample is None else sample.forward(batch)
 
 
 @contextlib.contextmanager
@@ -197,5 +203,5 @@ class StepWatch:
             self._tracker = None
 
 
-__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "memory_plan", "set_batch_size", "strategy_held",
+__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "forward_at", "memory_plan", "set_batch_size", "strategy_held",
            "training_sample"]

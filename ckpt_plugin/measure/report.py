@@ -179,6 +179,7 @@ class WrapReport:
     note: str = ""
     compiled: bool = False
     values: ValueRecord | None = None  # what a forward that reads values read, replayed on fake tensors
+    budget_is: str = "ckpt.budget"  # what ``planned``'s budget is (ckpt.memory: the activation budget it chose)
 
     @property
     def saved(self) -> int:
@@ -213,11 +214,11 @@ class WrapReport:
             lines.append(f"  activation peak: {format_bytes(peak0)} without, {format_bytes(peak1)} with "
                          f"({peak1 / peak0:.2f} of without)")
         if self.planned is not None and not peak0:
-            lines.append(f"  ckpt=auto planned {format_bytes(self.planned[0])} for ckpt.budget "
+            lines.append(f"  ckpt=auto planned {format_bytes(self.planned[0])} for {self.budget_is} "
                          f"{format_bytes(self.planned[1])}")
         if self.planned is not None and peak0:
             predicted, budget = self.planned
-            lines.append(f"  ckpt=auto planned {format_bytes(predicted)} for ckpt.budget {format_bytes(budget)} "
+            lines.append(f"  ckpt=auto planned {format_bytes(predicted)} for {self.budget_is} {format_bytes(budget)} "
                          f"({budget / peak0:.2f} of without)")
         if self.compiled:
             lines.append("  (counted as the layers run uncompiled: compiled (ckpt.compile), torch's partitioner decides "
