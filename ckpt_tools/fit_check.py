@@ -176,12 +176,14 @@ def real_step(subject: Subject, pristine: nn.Module, plan: WrapPlan, make: Make,
         return whole_step(model, subject.sample(model).loss(batch), [make(model)], fake=False)
 
 
-def options_of(plan: WrapPlan) -> str:
-    """``2 full, 1 selective, 1 keep`` for a per-layer plan; ``3 nested regions`` for Rotor's schedule."""
+def options_of(plan: WrapPlan, planned_over: Sequence[str] | None = None) -> str:
+    """``2 full, 1 selective, 1 keep`` for a per-layer plan (the options of ``planned_over``, its layers;
+    those of their parts after them); ``3 nested regions`` for Rotor's schedule."""
     planned = plan.planned
     choices = getattr(planned, "choices", None)
     if choices is not None:  # the layers' options, then those of the parts listed after their layer
-        layers = [n for n in choices if not any(n.startswith(f"{o}.") for o in choices)]
+        layers = [n for n in choices if n in planned_over] if planned_over is not None else \
+            [n for n in choices if not any(n.startswith(f"{o}.") for o in choices)]
         parts = [n for n in choices if n not in layers]
         said = _counted(str(choices[n].kind) for n in layers) or "nothing wrapped"
         return said + (f" (parts: {_counted(str(choices[n].kind) for n in parts)})" if parts else "")
@@ -225,7 +227,7 @@ def check_model(subject: Subject, optimizer: str, fractions: Sequence[float], ba
         measured = real_step(subject, pristine, plan, optimizer_of(optimizer))
         predicted = plan.fit.split.peak
         rows.append({"model": subject.name, "optimizer": optimizer, "fraction": fraction, "limit": limit,
-                     "plan": options_of(plan), "predicted": predicted, "measured": measured.peak,
+                     "plan": options_of(plan, names), "predicted": predicted, "measured": measured.peak,
                      "fits": measured.peak <= limit, "ratio": predicted / measured.peak,
                      "within": abs(predicted / measured.peak - 1) <= TOLERANCE, "planning_s": seconds})
     found = None
@@ -301,7 +303,7 @@ def choose_fit(subject: Subject, make: Make, spec: str) -> dict[str, Any]:
         return whole_of(model, WrapPlan(), sample.loss(b), [opt]).peak
 
     return {"limit": limit, "w0": without.peak, "wmin": least.peak, "sample_batch": sample.size,
-            "batch": found.batch, "plan": options_of(plan), "predicted": plan.fit.split.peak,
+            "batch": found.batch, "plan": options_of(plan, names), "predicted": plan.fit.split.peak,
             "measured": measured.peak, "planning_s": seconds, "none_at_batch": none_peak(found.batch),
             "none_batch": largest_fitting(none_peak, sample.size, MOST, limit), "pristine": pristine,
             "wrap_plan": plan}
