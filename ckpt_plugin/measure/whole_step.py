@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import CategoryPeakTracker
+from ckpt_plugin._compat import CategoryPeakTracker, is_fake
 from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.units import format_bytes
 
@@ -64,6 +64,10 @@ class StepSplit:
     at_peak: dict[str, int] = field(default_factory=dict)
     peaks: dict[str, int] = field(default_factory=dict)
     held: Held | None = None  # included in ``peak``
+    # A real step on CUDA: the allocator's peak over the step (``max_memory_allocated``: MemTracker's tensors, the
+    # batch and the allocator's rounding to its blocks) and what it had reserved from the device at the end.
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
 
     def share(self, category: str) -> int:
         return self.at_peak.get(category, 0)
@@ -115,11 +119,21 @@ def _two_steps(model: nn.Module, forward: Forward, optimizers: Sequence[torch.op
             optimizer.step()
 
     step()  # the gradients and the optimizer's state, as the first real step leaves them
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda" and not is_fake(next(model.parameters()))
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     tracker = CategoryPeakTracker()
     tracker.track_external(model, *optimizers)
     with tracker:
         step()
-    return split_of(tracker)
+    split = split_of(tracker)
+    if cuda:
+        torch.cuda.synchronize(device)
+        split = replace(split, cuda_allocated=torch.cuda.max_memory_allocated(device),
+                        cuda_reserved=torch.cuda.memory_reserved(device))
+    return split
 
 
 def split_of(tracker: CategoryPeakTracker) -> StepSplit:
