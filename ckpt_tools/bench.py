@@ -459,7 +459,8 @@ def _fit_table(fit: dict[str, dict[str, Any]]) -> list[str]:
         largest = r["none_largest_samples_per_s"]
         lines.append(
             f"| {model} | {r['fit']}: {r['limit'] / MiB:.2f} MiB | {r['batch']} | {r['plan']} "
-            f"| {r['predicted'] / MiB:.2f} MiB | {r['measured'] / MiB:.2f} MiB | {r['samples_per_s']:.1f} "
+            f"| {r['predicted'] / MiB:.2f} MiB | {r['measured'] / MiB:.2f} MiB"
+            f"{'' if r['measured'] <= r['limit'] else ' (over the limit: NO)'} | {r['samples_per_s']:.1f} "
             f"| {r['none_at_batch'] / MiB:.2f} MiB: {fits} | {r['none_samples_per_s']:.1f} "
             f"| {r['none_batch'] or 'none fits'} | {f'{largest:.1f}' if largest is not None else '–'} |")
     return [*lines, ""]
