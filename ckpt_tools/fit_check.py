@@ -169,11 +169,13 @@ def optimizer_of(name: str) -> Make:
 def real_step(subject: Subject, pristine: nn.Module, plan: WrapPlan, make: Make, batch: int | None = None
               ) -> StepSplit:
     """The real whole step (MemTracker) of a copy of ``pristine`` (never stepped) with ``plan`` installed and a
-    fresh optimizer (``make``), at ``batch`` rows (None: the sample's)."""
+    fresh optimizer (``make``), at ``batch`` rows (None: the sample's), and the batch beside it (made before the
+    measured step, as a loader's is: MemTracker does not see it, the device holds it; ``Sample.held``)."""
     model = copy.deepcopy(pristine)
+    sample = subject.sample(model)
     with cache_warnings_silenced():
         install_plan(model, plan)
-        return whole_step(model, subject.sample(model).loss(batch), [make(model)], fake=False)
+        return whole_step(model, sample.loss(batch), [make(model)], fake=False).holding((sample.held(batch),))
 
 
 def options_of(plan: WrapPlan, planned_over: Sequence[str] | None = None) -> str:
@@ -210,8 +212,8 @@ def check_model(subject: Subject, optimizer: str, fractions: Sequence[float], ba
     sample = subject.sample(model)
     config = make_config(mode="auto", layers=subject.layers, budget="min")  # budget: only to name the layers
     names = candidates(model, config)
-    without = whole_step(model, sample.loss(), [opt])
-    least = whole_of(model, least_plan(model, names, sample.forward()), sample.loss(), [opt])
+    without = whole_step(model, sample.loss(), [opt]).holding((sample.held(),))
+    least = whole_of(model, least_plan(model, names, sample.forward()), sample.loss(), [opt], (sample.held(),))
     steps = {"model": subject.name, "optimizer": optimizer, "sample_batch": sample.size, "w0": without.peak,
              "wmin": least.peak, "w0_split": str(without), "wmin_split": str(least)}
     rows = []
@@ -222,7 +224,7 @@ def check_model(subject: Subject, optimizer: str, fractions: Sequence[float], ba
         sample = subject.sample(planned)
         start = time.perf_counter()
         plan = plan_for(planned, make_config(mode="auto", layers=subject.layers, memory=f"{limit}B"),
-                        sample.forward(), optimizers=[opt], step=sample.loss())
+                        sample.forward(), optimizers=[opt], step=sample.loss(), held=(sample.held(),))
         seconds = time.perf_counter() - start
         measured = real_step(subject, pristine, plan, optimizer_of(optimizer))
         predicted = plan.fit.split.peak
@@ -287,20 +289,20 @@ def choose_fit(subject: Subject, make: Make, spec: str) -> dict[str, Any]:
     opt = make(model)
     sample = subject.sample(model)
     names = candidates(model, make_config(mode="auto", layers=subject.layers, budget="min"))
-    without = whole_step(model, sample.loss(), [opt])
-    least = whole_of(model, least_plan(model, names, sample.forward()), sample.loss(), [opt])
+    without = whole_step(model, sample.loss(), [opt]).holding((sample.held(),))
+    least = whole_of(model, least_plan(model, names, sample.forward()), sample.loss(), [opt], (sample.held(),))
     limit = limit_of(spec, least.peak, without.peak)
     start = time.perf_counter()
     found = largest_batch(model, names, sample, limit, [opt], bound=MOST)
     # As the callback plans ckpt.batch=max (lightning/memory.py): at the batch found, timed on the sample's own.
     plan = plan_for(model, make_config(mode="auto", layers=subject.layers, memory=f"{limit}B"),
                     sample.forward(found.batch), optimizers=[opt], timing_forward=sample.forward(),
-                    step=sample.loss(found.batch))
+                    step=sample.loss(found.batch), held=(sample.held(found.batch),))
     seconds = time.perf_counter() - start
     measured = real_step(subject, pristine, plan, make, found.batch)
 
     def none_peak(b: int) -> int:
-        return whole_of(model, WrapPlan(), sample.loss(b), [opt]).peak
+        return whole_of(model, WrapPlan(), sample.loss(b), [opt], (sample.held(b),)).peak
 
     return {"limit": limit, "w0": without.peak, "wmin": least.peak, "sample_batch": sample.size,
             "batch": found.batch, "plan": options_of(plan, names), "predicted": plan.fit.split.peak,

@@ -159,8 +159,9 @@ def test_the_batch_found_is_the_largest_whose_real_step_fits():
         fresh = copy.deepcopy(model)
         install_plan(fresh, plan)
         rows = torch.randint(96, (batch, 32))
-        return whole_step(fresh, lambda: fresh.loss((rows, rows)), [OPTIMIZERS["adamw"](fresh.parameters())],
-                          fake=False).peak
+        step = whole_step(fresh, lambda: fresh.loss((rows, rows)), [OPTIMIZERS["adamw"](fresh.parameters())],
+                          fake=False)
+        return step.holding((sample.held(batch),)).peak  # the batch, made before the step, on the device
 
     assert real(found.batch) == found.least.peak <= 3 * 2**20
     assert real(found.batch + 1) == found.above.peak > 3 * 2**20

@@ -47,14 +47,14 @@ def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
 def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
               note: str, optimizers: Sequence[torch.optim.Optimizer] = (),
               timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
-              held: Held | None = None) -> WrapPlan:
+              held: Sequence[Held] = ()) -> WrapPlan:
     """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
     step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
     fits, with what stands in the way (eager steps: ``diagnose.py``). ``ckpt.memory``: the fastest plan whose whole
     step, ``optimizers`` stepping, fits (``memory.py``). ``timing_forward``: the forward the options are timed on
     (``ckpt.batch=max``: the batch the loader had, never the larger one planned for), ``forward`` by default;
     ``step``: what ``ckpt.memory``'s whole step runs to its loss (the callback: ``training_step``), ``forward``
-    by default; ``held``: what the strategy holds beside the step (DDP's buckets)."""
+    by default; ``held``: what the device holds beside the step (the batch, DDP's buckets)."""
     budget = config.read_budget
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))

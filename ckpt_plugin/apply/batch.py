@@ -63,16 +63,24 @@ def materialized(data: Any) -> Any:
                     and t.stride(0) == 0 else t, data)
 
 
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _held(data: Any) -> Callable[[], Any]:
-    """``data`` materialized once per fake mode and held, as a real batch is: made before the step a measurement
-    tracks (the first of ``whole_step``'s two, or the profile's first call) and alive to its end, as the loader's
-    batch is made before ``training_step`` and lives through it. On real tensors, made at each call."""
+    """``data`` materialized once (per fake mode) and held, as a real batch is: made before the step a
+    measurement tracks (the first of ``whole_step``'s two, or the profile's first call) and alive to its end, as
+    the loader's batch is made before ``training_step`` and lives through it. So MemTracker never counts it, on
+    fake or real tensors; :meth:`Sample.held` says what it takes."""
     held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    real: list[Any] = []
 
     def get() -> Any:
         mode = active_fake_mode()
         if mode is None:
-            return materialized(data)
+            if not real:
+                real.append(materialized(data))
+            return real[0]
         if mode not in held:
             held[mode] = materialized(data)
         return held[mode]
@@ -93,6 +101,14 @@ class Sample:
     @property
     def size(self) -> int | None:
         return batch_size_of(self.call)
+
+    def held(self, to: int | None = None) -> Held:
+        """The batch on the device, ``to`` rows long (None: as it is): the training batch, or the call's tensors."""
+        data = self.batch if self.step is not None and self.batch is not None else self.call
+        size = batch_size_of(data)
+        rows = 1 if to is None or not size else to / size
+        return Held(int(sum(_bytes(t) * (rows if t.dim() > 0 and t.shape[0] == size else 1)
+                            for t in tree_leaves(data) if isinstance(t, torch.Tensor))), "the batch")
 
     def forward(self, to: int | None = None) -> Callable[[], Any]:
         """The module's call, its batch ``to`` rows long (None: as it is)."""
@@ -185,7 +201,7 @@ def _next_probe(seen: dict[int, int], low: int, high: int, limit: int) -> int:
 
 def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int,
                   optimizers: Sequence[torch.optim.Optimizer], *, bound: int = MOST, preserve_rng_state: bool = True,
-                  key: str = "ckpt.memory", held: Held | None = None) -> BatchFit:
+                  key: str = "ckpt.memory", held: Sequence[Held] = ()) -> BatchFit:
     """The largest batch (at most ``bound``) whose least plan's whole step fits ``limit`` bytes.
 
     A ConfigError where not even one sample fits, naming the least memory needed and what takes it.
@@ -200,7 +216,8 @@ def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int
         if batch not in tried:
             measuring = Measuring(model, names, sample.forward(batch), {}, preserve_rng_state, timed=False)
             chosen = least_of(strategies(measuring, eager=True))
-            tried[batch] = whole_of(model, chosen.strategy.installed(chosen.plan), sample.loss(batch), optimizers, held)
+            tried[batch] = whole_of(model, chosen.strategy.installed(chosen.plan), sample.loss(batch), optimizers,
+                                    (*held, sample.held(batch)))
         return tried[batch]
 
     low = largest_fitting(lambda batch: least(batch).peak, size, bound, limit)

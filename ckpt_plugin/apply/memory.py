@@ -62,9 +62,9 @@ class StepFit:
 
 
 def whole_of(model: nn.Module, plan: WrapPlan, forward: Callable[[], Any],
-             optimizers: Sequence[torch.optim.Optimizer], held: Held | None = None) -> StepSplit:
+             optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Held] = ()) -> StepSplit:
     """The whole step of ``model`` with ``plan`` installed for the measurement (fake tensors), then removed;
-    ``held``: what the strategy holds beside it."""
+    ``held``: what the device holds beside it (the batch, DDP's buckets)."""
     with cache_warnings_silenced():
         install(model, plan)
         try:

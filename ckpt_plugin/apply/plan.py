@@ -38,7 +38,7 @@ from ckpt_plugin.measure.whole_step import Held
 def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None, *,
              optimizers: Sequence[torch.optim.Optimizer] = (),
              timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
-             held: Held | None = None) -> WrapPlan:
+             held: Sequence[Held] = ()) -> WrapPlan:
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
@@ -47,8 +47,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     wrapped (compiled, DDP, FSDP, Fabric): the plan names the modules of the user's own module.
     ``optimizers``: what the training step steps, for ``ckpt.memory``'s whole step (their state is counted);
     ``timing_forward``: ``ckpt=auto``'s options are timed on it; ``step``: the training step to its loss, which
-    ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``); ``held``: what the strategy holds
-    on the device beside the step (DDP's gradient buckets).
+    ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``); ``held``: what the device holds
+    beside the step (the batch, DDP's gradient buckets).
     """
     given, model = model, user_module(model)
     if isinstance(config, NoneConfig):

@@ -386,7 +386,7 @@ class ActivationCheckpointing(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              *args: Any) -> None:
         if self.step_watch is not None and self._batches == 1:  # the first step with gradients and state alive
-            self.step_watch.start(pl_module, trainer.optimizers)
+            self.step_watch.start(pl_module, trainer.optimizers, batch)
         if self._overkeep_at_step and self.wrapped:  # the batch is the sample now: on fake tensors, once per fit
             self._overkeep_at_step = False
             check_overkeep(trainer, pl_module, self.config, self.wrapped, batch=batch)

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
-from ckpt_plugin._compat import CategoryPeakTracker
+from ckpt_plugin._compat import CategoryPeakTracker, tree_leaves
 from ckpt_plugin.apply.batch import MOST, BatchFit, Sample, largest_batch
 from ckpt_plugin.apply.plan import candidates, plan_for
 from ckpt_plugin.config.memory import resolve_memory
@@ -105,21 +105,22 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     of this module, the Trainer's optimizers stepping."""
     sample = training_sample(trainer, pl_module)
     optimizers = list(trainer.optimizers)
-    held = strategy_held(trainer, pl_module)
+    held = tuple(h for h in (strategy_held(trainer, pl_module),) if h is not None)
     said = [] if sample is None or sample.step is not None else [
         "  (the whole step measured runs the module's call and sums its output: "
         + ("its training_step steps the optimizers itself" if not pl_module.automatic_optimization else
            "there is no training batch") + ")"]
     if config.batch != "max" or sample is None:
         plan = plan_for(pl_module, config, forward, optimizers=optimizers,
-                        step=sample.loss() if sample is not None else None, held=held)
+                        step=sample.loss() if sample is not None else None,
+                        held=held + ((sample.held(),) if sample is not None else ()))
         return _said(plan, said), None
     names = candidates(pl_module, config)
     limit = resolve_memory(config.read_memory, pl_module.device)
     found = largest_batch(pl_module, names, sample, limit, optimizers, bound=_dataset_length(trainer, pl_module),
                           preserve_rng_state=config.preserve_rng_state, held=held)
     plan = plan_for(pl_module, config, sample.forward(found.batch), optimizers=optimizers, timing_forward=forward,
-                    step=sample.loss(found.batch), held=held)
+                    step=sample.loss(found.batch), held=(*held, sample.held(found.batch)))
     return _said(plan, [*found.lines(limit), *said]), found.batch
 
 
@@ -172,8 +173,12 @@ class StepWatch:
         self.measured: StepSplit | None = None
         self.cuda_peak: int | None = None
         self._tracker: CategoryPeakTracker | None = None
+        self._batch = Held(0, "the batch")
 
-    def start(self, pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def start(self, pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer], batch: Any) -> None:
+        # The batch was made (and moved to the device) before this hook: MemTracker will not see it, the device does.
+        self._batch = Held(sum(t.numel() * t.element_size() for t in tree_leaves(batch) if isinstance(t, torch.Tensor)),
+                           "the batch")
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -187,7 +192,7 @@ class StepWatch:
             return None
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(None, None, None)
-        self.measured = split_of(tracker)
+        self.measured = split_of(tracker).holding((self._batch,))
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             self.cuda_peak = torch.cuda.max_memory_allocated(pl_module.device)

@@ -19,7 +19,7 @@ bytes are the real ones and nothing is allocated; the optimizer's state and the
 parameters' ``.grad`` are put back as they were.
 
 ``fake=False`` runs the same two steps on the real tensors (tests and the
-exhaustive search of ``ckpt_tools/fit_search.py`` compare the two); it trains:
+exhaustive search of ``ckpt_tools/fit_check.py`` compare the two); it trains:
 the caller owns the model.
 """
 
@@ -45,8 +45,9 @@ CATEGORIES = {"parameter": "parameters", "buffer": "buffers", "gradient": "gradi
 
 @dataclass(frozen=True)
 class Held:
-    """Bytes a strategy holds on the device through the step that no tensor of the measured step is, and by what
-    (DDP's gradient buckets: ``lightning/memory.py``). Added to a step's peak and shown in its split."""
+    """Bytes on the device through the step that no tensor the measured step makes is, and what holds them: the
+    batch (made by the loader before ``training_step``: MemTracker never sees it made) and DDP's gradient buckets
+    (``lightning/memory.py``). Added to a step's peak and shown in its split."""
 
     bytes: int
     by: str
@@ -63,7 +64,7 @@ class StepSplit:
     peak: int
     at_peak: dict[str, int] = field(default_factory=dict)
     peaks: dict[str, int] = field(default_factory=dict)
-    held: Held | None = None  # included in ``peak``
+    held: tuple[Held, ...] = ()  # included in ``peak``
     # A real step on CUDA: the allocator's peak over the step (``max_memory_allocated``: MemTracker's tensors, the
     # batch and the allocator's rounding to its blocks) and what it had reserved from the device at the end.
     cuda_allocated: int | None = None
@@ -72,16 +73,16 @@ class StepSplit:
     def share(self, category: str) -> int:
         return self.at_peak.get(category, 0)
 
-    def holding(self, held: Held | None) -> StepSplit:
+    def holding(self, held: Sequence[Held]) -> StepSplit:
         """This step with ``held`` on the device beside it."""
-        if held is None or not held.bytes:
+        held = tuple(h for h in held if h.bytes)
+        if not held:
             return self
-        return replace(self, peak=self.peak + held.bytes, held=held)
+        return replace(self, peak=self.peak + sum(h.bytes for h in held), held=self.held + held)
 
     def __str__(self) -> str:
         parts = [f"{CATEGORIES[c]} {format_bytes(b)}" for c, b in self.at_peak.items() if b and c in CATEGORIES]
-        if self.held is not None:
-            parts.append(f"{self.held.by} {format_bytes(self.held.bytes)}")
+        parts += [f"{h.by} {format_bytes(h.bytes)}" for h in self.held]
         return f"{format_bytes(self.peak)} ({self.peak} B): " + ", ".join(parts)
 
 
