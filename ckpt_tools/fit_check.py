@@ -307,6 +307,8 @@ def choose_fit(subject: Subject, make: Make, spec: str) -> dict[str, Any]:
     return {"limit": limit, "w0": without.peak, "wmin": least.peak, "sample_batch": sample.size,
             "batch": found.batch, "plan": options_of(plan, names), "predicted": plan.fit.split.peak,
             "measured": measured.peak, "planning_s": seconds, "none_at_batch": none_peak(found.batch),
+            # On CUDA: the allocator's peak over the measured step (its rounding, the batch) and what it reserved.
+            "cuda_allocated": measured.cuda_allocated, "cuda_reserved": measured.cuda_reserved,
             "none_batch": largest_fitting(none_peak, sample.size, MOST, limit), "pristine": pristine,
             "wrap_plan": plan}
 

@@ -84,7 +84,11 @@ TABLE_MODES = (*BENCH_MODES, *AUTO_MODES)
 
 # Seconds per step, each also cut to what is left of --deadline (the whole check's limit).
 LIMITS = {"install": 60, "env": 60, "bandwidth": 60, "cuda tests": 120, "bench": 200, "bench auto": 150,
-          "core tests": 150, "tests": 150}
+          "bench fit": 150, "core tests": 150, "tests": 150}
+# ckpt.memory with ckpt.batch=max on the GPU (issue #34): halfway between the least whole step and none's, a GPT
+# a quarter of GPU_GPT's depth (the chosen batch runs without checkpointing too, for samples per second).
+FIT_GPT = "n_layer=4,n_embd=2048,n_head=16,block_size=1024,batch_size=8"
+FIT = "0.5"
 MiB = 2**20
 
 _ENV = r"""
@@ -384,6 +388,20 @@ def summary(results: dict[str, Any]) -> str:
                   f"| {ov['none_step_s'] * 1e3:.1f} | {ov['offload_step_s'] * 1e3:.1f} | {ov['added_s'] * 1e3:.1f} "
                   f"| {_mib(ov['none_kept_bytes'])} | {_mib(ov['offload_kept_bytes'])} | {_mib(ov['moved_bytes'])} "
                   f"| {fmt(ov['copy_s'] and ov['copy_s'] * 1e3, '{:.1f}')} | {fmt(ov['hidden'], '{:.2f}')} |"]
+    lines += ["", "## Fit the device (ckpt.memory, ckpt.batch=max)", ""]
+    fit = results.get("fit")
+    if not fit:
+        lines.append("Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run.")
+    else:
+        lines += [f"`ckpt-bench --fit {FIT}` on GPT({FIT_GPT}), bf16-mixed: the limit halfway between the least "
+                  "whole step and the one without checkpointing.", "",
+                  "| limit (MiB) | batch | plan | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
+                  "| reserved (MiB) | allocated <= limit |", "|---:|---:|---|---:|---:|---:|---:|---|",
+                  f"| {_mib(fit['limit'])} | {fit['batch']} | {fit['plan']} | {_mib(fit['predicted'])} "
+                  f"| {_mib(fit['measured'])} | {_mib(fit.get('cuda_allocated'))} | {_mib(fit.get('cuda_reserved'))} "
+                  f"| {'yes' if (fit.get('cuda_allocated') or 0) <= fit['limit'] else 'NO'} |", "",
+                  "The allocator's overhead is max_memory_allocated against MemTracker's total, and what it reserved "
+                  "against what it allocated."]
     return "\n".join(lines) + "\n"
 
 
@@ -443,19 +461,27 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         bench_groups = [("bench", TABLE_MODES)]
     else:
         test_groups = [("cuda tests", cuda_ids, 1), ("core tests", list(core_files), args.workers)]
-        bench_groups = [("bench", BENCH_MODES), ("bench auto", AUTO_MODES)]
+        bench_groups = [("bench", BENCH_MODES), ("bench auto", AUTO_MODES), ("bench fit", ("none",))]
     # What only a GPU can show comes first: the CUDA tests, then the bench; the core subset (CPU tests, which
     # the torch-range check also runs on CPU) takes what is left of the deadline.
     ran: list[dict[str, Any]] = []
     rows: dict[str, Any] = {}
     for name, ids, workers in test_groups[:1]:
         ran += _tests(run, name, ids, workers)
+    fit = None
     for name, modes in bench_groups:
         sub = work / name.replace(" ", "_")
-        run.run(name, _bench_command(modes, sub, args.dry_run), "bench.log")
+        command = _bench_command(modes, sub, args.dry_run)
+        if name == "bench fit":  # its own GPT, one none row beside the fit row
+            command = [*command[:command.index("--gpt")], "--gpt", FIT_GPT, "--fit", FIT,
+                       *command[command.index("--gpt") + 2:]]
+        run.run(name, command, "bench.log")
         if (sub / "results.json").is_file():
-            rows |= {m: r for m, r in json.loads((sub / "results.json").read_text()).get("gpt", {}).items()
-                     if m in modes}
+            written = json.loads((sub / "results.json").read_text())
+            if name == "bench fit":
+                fit = (written.get("fit") or {}).get("gpt")
+                continue
+            rows |= {m: r for m, r in written.get("gpt", {}).items() if m in modes}
     for name, ids, workers in test_groups[1:]:
         ran += _tests(run, name, ids, workers)
     cuda = [r for r in ran if r["id"] in set(cuda_ids)]
@@ -478,6 +504,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "bench": {"setup": setup_line, "rows": rows},
         "bandwidth": bandwidth,
         "offload": offload_overlap(rows, bandwidth),
+        "fit": fit,
     }
     results["seconds"] = time.monotonic() - t0
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
