@@ -123,7 +123,7 @@ def test_a_share_of_the_device_on_cpu_asks_for_a_size(given, typed) -> None:
         "one rank)")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a share of a CUDA device's memory needs one")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_share_of_a_cuda_device_is_of_its_total_memory() -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     assert resolve_memory(parse_memory("device"), torch.device("cuda", 0)) == int(0.95 * total)
