@@ -135,9 +135,11 @@ def test_cuda_tests_are_found_by_their_decorators(tmp_path: Path) -> None:
     ]
 
 
-def test_the_suite_s_cuda_tests_are_the_offload_ones() -> None:
+def test_the_suite_s_cuda_tests_are_offload_s_and_ckpt_memory_s() -> None:
     ids = cuda_tests()
-    assert ids and all(i.startswith("tests/test_offload.py::test_cuda_") for i in ids), ids
+    offload = [i for i in ids if i.startswith("tests/test_offload.py::test_cuda_")]
+    assert offload and set(ids) - set(offload) == {
+        "tests/test_memory_config.py::test_a_share_of_a_cuda_device_is_of_its_total_memory"}, ids
     assert set(CORE_TESTS) >= {"tests/test_offload.py", *(i.split("::")[0] for i in DRY_TESTS)}
 
 
