@@ -144,7 +144,9 @@ QUICK = ("gpt", "resnet")
 def subject(name: str, quick: bool = False) -> Subject:
     if name in SUBJECTS:
         return (QUICK_SUBJECTS if quick else SUBJECTS)[name]()
-    from ckpt_tools.zoo import all_models  # transformers and the rest: imported only when a zoo model is asked for
+    from ckpt_tools.zoo import (
+        all_models,  # transformers and the rest: imported only when a zoo model is asked for
+    )
 
     entry = next((e for e in all_models() if e.name == name), None)
     if entry is None:

@@ -8,7 +8,6 @@ Bytes are exact (MemTracker on real tensors against the prediction on fake ones)
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

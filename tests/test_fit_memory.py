@@ -5,6 +5,7 @@ meets is refused with the least memory and what takes it; the batch found is the
 from __future__ import annotations
 
 import copy
+import functools
 import random
 
 import pytest
@@ -12,7 +13,6 @@ import torch
 
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
-from ckpt_plugin import remove_checkpointing
 from ckpt_plugin.apply.batch import Sample, largest_batch, largest_fitting
 from ckpt_plugin.apply.install import install_plan
 from ckpt_plugin.apply.memory import whole_of
@@ -134,12 +134,16 @@ def test_a_limit_no_plan_meets_names_the_least_memory_and_what_takes_it():
                                  "batch size")
 
 
+def _curve(base: int, slope: int, bumps: list[int], b: int) -> int:
+    return base + slope * b + bumps[b]
+
+
 def test_the_largest_fitting_size_is_exact_whatever_the_curve():
     rng = random.Random(0)
     for _ in range(500):
         base, slope, bound = rng.randrange(10**6), rng.randrange(1, 10**4), rng.choice([1, 7, 100, 4096])
         bumps = [rng.randrange(slope) for _ in range(bound + 2)]  # a plan that changes with the batch: not affine
-        peak = lambda b: base + slope * b + bumps[b]  # noqa: E731 -- still growing with b
+        peak = functools.partial(_curve, base, slope, bumps)  # still growing with b
         limit = rng.randrange(base + slope * 2 * bound)
         want = max((b for b in range(1, bound + 1) if peak(b) <= limit), default=0)
         assert largest_fitting(peak, rng.randrange(1, 64), bound, limit) == want

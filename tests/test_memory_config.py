@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import compose_train
 from hydra.utils import instantiate
 
 from ckpt_plugin import ActivationCheckpointing
@@ -15,7 +16,6 @@ from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.lightning.app import check_app_config
 from ckpt_plugin.units import parse_size
-from conftest import compose_train
 
 FORMS = ("valid: a size (70GiB, '70 GiB', 500MB, or an integer number of bytes), device (the accelerator's total "
          "memory less a 5% margin) or a fraction of that total (0.9, 90%)")

@@ -227,4 +227,4 @@ def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int
     return BatchFit(low, size, tried[low], above, {b: s.peak for b, s in tried.items()}, bound)
 
 
-__all__ = ["BatchFit", "MOST", "Sample", "batch_size_of", "largest_batch", "largest_fitting", "materialized", "resized"]
+__all__ = ["MOST", "BatchFit", "Sample", "batch_size_of", "largest_batch", "largest_fitting", "materialized", "resized"]

@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin.apply.strategies import Chosen, Measuring, Strategy, first_fit, least_of, strategies
+from ckpt_plugin.apply.strategies import (
+    Chosen,
+    Measuring,
+    Strategy,
+    first_fit,
+    least_of,
+    strategies,
+)
 from ckpt_plugin.config.budget import Budget
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced

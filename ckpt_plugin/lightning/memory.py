@@ -33,13 +33,18 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from ckpt_plugin._compat import CategoryPeakTracker, tree_leaves
-from ckpt_plugin.apply.batch import MOST, BatchFit, Sample, largest_batch
+from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
 from ckpt_plugin.apply.plan import candidates, plan_for
 from ckpt_plugin.config.memory import resolve_memory
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.lightning.sample import first_batch, random_state_kept, sample_call, train_dataloader
+from ckpt_plugin.lightning.sample import (
+    first_batch,
+    random_state_kept,
+    sample_call,
+    train_dataloader,
+)
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 from ckpt_plugin.units import format_bytes
 

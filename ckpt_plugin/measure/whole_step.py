@@ -97,7 +97,9 @@ def whole_step(model: nn.Module, forward: Forward, optimizers: Sequence[torch.op
     activations only). On fake tensors unless ``fake=False`` (which trains ``model``)."""
     if not fake:
         return _two_steps(model, forward, optimizers)
-    from ckpt_plugin.measure.report import on_fake_model  # report.py imports the measurements: no cycle at import
+    from ckpt_plugin.measure.report import (
+        on_fake_model,  # report.py imports the measurements: no cycle at import
+    )
     from ckpt_plugin.measure.values import with_values_replayed
 
     def measured() -> StepSplit:
