@@ -83,6 +83,7 @@ from ckpt_plugin.measure.memory import step_flops, step_memory
 from ckpt_plugin.planning.rotor import describe
 from ckpt_tools.compiled import PLUGIN_ROWS, measure_compiled_budget
 from ckpt_tools.fit_check import Subject, choose_fit, limit_of
+from ckpt_tools.fit_check import parse_list as _parse_list
 from ckpt_tools.overhead import measure_overhead
 from ckpt_tools.workloads import MODELS, MODES, PRECISIONS, ModelSpec, Run, build
 
@@ -480,17 +481,6 @@ def command_line(argv: Sequence[str]) -> str:
     prog = Path(sys.argv[0]).name
     prog = "python -m ckpt_tools.bench" if prog in ("bench.py", "__main__.py", "-c", "") else prog
     return " ".join([prog, *map(shlex.quote, argv)])
-
-
-def _parse_list(value: str, valid: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    for item in items:
-        if item not in valid:
-            parser.error(f"{flag}: {item!r} is not one of them; valid, closest first: "
-                         f"{', '.join(closest_first(item, valid))}")
-    if not items:
-        parser.error(f"{flag} is empty; valid: {', '.join(valid)}")
-    return list(dict.fromkeys(items))
 
 
 def _mode_problems(modes: list[str]) -> list[str]:

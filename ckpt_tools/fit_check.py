@@ -343,7 +343,8 @@ def tables(steps: list[dict], rows: list[dict], batches: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _list(value: str, valid: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> list[str]:
+def parse_list(value: str, valid: Sequence[str], flag: str, parser: argparse.ArgumentParser) -> list[str]:
+    """A comma-separated flag's items, each one of ``valid`` (else the parser's error, closest first), in order."""
     items = [v.strip() for v in value.split(",") if v.strip()]
     for item in items:
         if item not in valid:
@@ -376,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     models = [m.strip() for m in (args.models or ",".join(QUICK if args.quick else (*SUBJECTS, *ZOO))).split(",")
               if m.strip()]
-    optimizers = _list(args.optimizers or ("adamw" if args.quick else ",".join(OPTIMIZERS)), list(OPTIMIZERS),
+    optimizers = parse_list(args.optimizers or ("adamw" if args.quick else ",".join(OPTIMIZERS)), list(OPTIMIZERS),
                        "--optimizers", parser)
     try:
         fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
