@@ -60,7 +60,7 @@ FORBIDDEN = {
 # modules that must import no framework (torch included) at module level: the search-path plugin loads them
 NO_FRAMEWORK_AT_IMPORT = {"ckpt_plugin.config", "ckpt_plugin.config.schema", "ckpt_plugin.config.deepspeed",
                           "ckpt_plugin.config.hydra", "ckpt_plugin.config.budget", "ckpt_plugin.config.values",
-                          "ckpt_plugin.config.keys"}
+                          "ckpt_plugin.config.keys", "ckpt_plugin.config.memory"}
 HEAVY = {"torch", "deepspeed"} | FRAMEWORKS
 
 
