@@ -23,13 +23,13 @@ from ckpt_plugin.apply.strategies import (
 )
 from ckpt_plugin.config.budget import Budget, resolve
 from ckpt_plugin.config.memory import resolve_memory
-from ckpt_plugin.measure.whole_step import Held
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.config.values import DEFAULT_BACKEND, backend_of
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.errors import ConfigError
-from ckpt_plugin.planning.plan_file import load_plan
+from ckpt_plugin.measure.whole_step import Held
 from ckpt_plugin.planning.options import OPTIONS, Option
+from ckpt_plugin.planning.plan_file import load_plan
 from ckpt_plugin.planning.profile import INSIDE_DEPTH
 from ckpt_plugin.units import format_bytes
 
