@@ -43,7 +43,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "zero3_plan": ["deepspeed_zero3", {"mode": "auto", "plan": plan}],
         "fsdp_auto": ["fsdp", {"mode": "auto", "budget": 0.5}],
         "zero3_auto": ["deepspeed_zero3", {"mode": "auto", "budget": "min"}],
-        "fsdp_memory": ["fsdp", {"mode": "auto", "memory": "64MiB"}],
+        "zero3_memory": ["deepspeed_zero3", {"mode": "auto", "memory": "64MiB"}],
     }
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
                         "OMP_NUM_THREADS": "1"}
@@ -64,14 +64,15 @@ def test_planning_under_a_sharded_strategy_is_the_same_config_error_on_every_ran
     assert [r["error"] for r in ranks(out, run)] == [["ConfigError", REFUSED.format(strategy)]] * 2
 
 
-def test_a_whole_step_under_fsdp_is_refused_on_every_rank_naming_ckpt_memory(out: Path) -> None:
+def test_a_whole_step_under_deepspeed_is_refused_on_every_rank_naming_ckpt_memory(out: Path) -> None:
     said = (
-        "ckpt.memory=64MiB cannot be planned under trainer.strategy CPUFSDPStrategy: the whole step on one rank is "
-        "measured on fake tensors outside the strategy, and the shards of parameters, gradients and optimizer state "
-        "and the units gathered at once are not modelled yet; under DDP or on one device ckpt.memory plans the "
-        "whole step; here plan the activations on one process (ckpt.budget, whose run writes ckpt_plan.json) and "
-        "give that file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)")
-    assert [r["error"] for r in ranks(out, "fsdp_memory")] == [["ConfigError", said]] * 2
+        "ckpt.memory=64MiB cannot be planned under trainer.strategy CPUDeepSpeedStrategy (ZeRO stage 3): the whole "
+        "step on one rank is measured on a fake twin that the strategy shards as it shards the module, and of the "
+        "sharded strategies only Lightning's FSDPStrategy (FSDP v1) is modelled so far; under FSDPStrategy, DDP or "
+        "on one device ckpt.memory plans the whole step; here plan the activations on one process (ckpt.budget, "
+        "whose run writes ckpt_plan.json) and give that file with ckpt.plan=<file>, or choose a fixed mode "
+        "(ckpt=full, ckpt=selective, ckpt=offload)")
+    assert [r["error"] for r in ranks(out, "zero3_memory")] == [["ConfigError", said]] * 2
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])

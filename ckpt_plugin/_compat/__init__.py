@@ -12,6 +12,7 @@ from here (``from ckpt_plugin._compat import user_module``):
 - ``tensors``: a tensor's storage, version counter, base, and the saved-tensor hooks in force;
 - ``pytree``: torch's pytree;
 - ``memory``: MemTracker with per-category peaks;
+- ``fsdp``: FSDP (v1) on fake tensors with a fake process group (a rank's sharded step, measured);
 - ``regions``: non-reentrant checkpoint internals (regions opened by hooks, their frames);
 - ``checkpoint``: the engine's non-reentrant checkpoint calls, whose early stop survives libraries that re-wrap exceptions;
 - ``wrappers``: the user's module inside compile, DDP, FSDP and Fabric wrappers;
@@ -46,6 +47,7 @@ from ckpt_plugin._compat.fake import (
     raised_by_fake_tensors,
     reads_values,
 )
+from ckpt_plugin._compat.fsdp import fake_process_group, fsdp_on_fake_tensors
 from ckpt_plugin._compat.hooks import (
     global_hook_count,
     hook_count,
@@ -88,8 +90,10 @@ __all__ = [
     "compiler_backend",
     "early_stop_in_force",
     "fake_read_error",
+    "fake_process_group",
     "fake_tensor_mode",
     "forget_compiled",
+    "fsdp_on_fake_tensors",
     "global_hook_count",
     "hook_count",
     "in_backward",

@@ -63,8 +63,10 @@ class CategoryPeakTracker(MemTracker):
         # register_hook raises on one that does not require grad (torch 2.13): a frozen sinusoidal
         # position table (Pegasus, Marian, Whisper), a LoRA's frozen base. Such a parameter never
         # gets a gradient, so it is marked as hooked already, with handles that remove nothing.
+        # FSDP (v1, use_orig_params=True) sets a unit's parameters to views of its gathered flat parameter
+        # in forward: not leaves, so a gradient hook cannot be registered; their gradient is the flat one's.
         for param in module.parameters():
-            if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+            if (not param.requires_grad or not param.is_leaf) and self._param_to_grad_hook_handles.get(param) is None:
                 self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 

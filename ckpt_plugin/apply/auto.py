@@ -12,7 +12,7 @@ from torch import nn
 
 from ckpt_plugin._compat import compiled_by_user
 from ckpt_plugin.apply.diagnose import least_lines, with_reasons
-from ckpt_plugin.apply.memory import fit_memory, least_plan, whole_of
+from ckpt_plugin.apply.memory import ModuleSteps, WholeSteps, fit_memory, least_plan
 from ckpt_plugin.apply.strategies import (
     Chosen,
     Measuring,
@@ -47,14 +47,16 @@ def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
 def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
               note: str, optimizers: Sequence[torch.optim.Optimizer] = (),
               timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
-              held: Sequence[Held] = ()) -> WrapPlan:
+              held: Sequence[Held] = (), steps: WholeSteps | None = None) -> WrapPlan:
     """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
     step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
     fits, with what stands in the way (eager steps: ``diagnose.py``). ``ckpt.memory``: the fastest plan whose whole
     step, ``optimizers`` stepping, fits (``memory.py``). ``timing_forward``: the forward the options are timed on
     (``ckpt.batch=max``: the batch the loader had, never the larger one planned for), ``forward`` by default;
     ``step``: what ``ckpt.memory``'s whole step runs to its loss (the callback: ``training_step``), ``forward``
-    by default; ``held``: what the device holds beside the step (the batch, DDP's buckets)."""
+    by default; ``held``: what the device holds beside the step (the batch, DDP's buckets); ``steps``: how the
+    whole step is measured, where not on ``model`` with ``step``, ``optimizers`` and ``held`` (under FSDP: a
+    fake twin, sharded)."""
     budget = config.read_budget
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
@@ -64,12 +66,12 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     if config.read_memory is not None:
         limit = resolve_memory(config.read_memory, next(model.parameters()).device)
         least = least_plan(measuring, eager) if eager else None  # compiled: bytes as timed compiled
-        chosen, fit = fit_memory(tried, limit, lambda plan: whole_of(model, plan, step or forward, optimizers, held),
-                                 least=least)
+        steps = steps or ModuleSteps(model, lambda rows: step or forward, optimizers, lambda rows: held)
+        chosen, fit = fit_memory(tried, limit, steps.of, least=least)
         budget = Budget(bytes=fit.activation_budget)
         made = (_regions(chosen, config, budget, names, note, "") if isinstance(chosen.strategy, NestedRegions)
                 else _per_layer(chosen, config, budget, backend, eager, note, ""))
-        lines = fit.lines(str(config.memory)) + ([] if optimizers else [
+        lines = fit.lines(str(config.memory)) + ([] if optimizers or not isinstance(steps, ModuleSteps) else [
             "  no optimizer was given: its state is not counted (the callback steps the Trainer's optimizers)"])
         return replace(made, summary="\n".join([*lines, made.summary]), fit=fit)
     if budget.least:

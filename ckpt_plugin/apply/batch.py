@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import active_fake_mode, tree_leaves, tree_map
-from ckpt_plugin.apply.memory import too_small, whole_of
+from ckpt_plugin.apply.memory import ModuleSteps, WholeSteps, too_small
 from ckpt_plugin.apply.strategies import Measuring, least_of, strategies
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.whole_step import Held, StepSplit
@@ -201,11 +201,14 @@ def _next_probe(seen: dict[int, int], low: int, high: int, limit: int) -> int:
 
 def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int,
                   optimizers: Sequence[torch.optim.Optimizer], *, bound: int = MOST, preserve_rng_state: bool = True,
-                  key: str = "ckpt.memory", held: Sequence[Held] = ()) -> BatchFit:
+                  key: str = "ckpt.memory", held: Sequence[Held] = (), steps: WholeSteps | None = None) -> BatchFit:
     """The largest batch (at most ``bound``) whose least plan's whole step fits ``limit`` bytes.
 
-    A ConfigError where not even one sample fits, naming the least memory needed and what takes it.
+    A ConfigError where not even one sample fits, naming the least memory needed and what takes it. The least
+    plan is found on ``model`` at each size; its whole step is measured by ``steps`` (default: on ``model``, the
+    sample's step, ``optimizers`` stepping, ``held`` and the batch beside it).
     """
+    steps = steps or ModuleSteps(model, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)))
     size = sample.size
     if size is None:
         raise ConfigError([Problem("ckpt.batch", "ckpt.batch=max resizes the sample's batch, and the sample call "
@@ -216,8 +219,7 @@ def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int
         if batch not in tried:
             measuring = Measuring(model, names, sample.forward(batch), {}, preserve_rng_state, timed=False)
             chosen = least_of(strategies(measuring, eager=True))
-            tried[batch] = whole_of(model, chosen.strategy.installed(chosen.plan), sample.loss(batch), optimizers,
-                                    (*held, sample.held(batch)))
+            tried[batch] = steps.of(chosen.strategy.installed(chosen.plan), batch)
         return tried[batch]
 
     low = largest_fitting(lambda batch: least(batch).peak, size, bound, limit)

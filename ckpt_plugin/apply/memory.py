@@ -24,8 +24,8 @@ Each candidate costs two steps on fake tensors (``whole_step``) and no memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -69,15 +69,38 @@ class StepFit:
 
 
 def whole_of(model: nn.Module, plan: WrapPlan, forward: Callable[[], Any],
-             optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Held] = ()) -> StepSplit:
+             optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Held] = (), *, fake: bool = True) -> StepSplit:
     """The whole step of ``model`` with ``plan`` installed for the measurement (fake tensors), then removed;
-    ``held``: what the device holds beside it (the batch, DDP's buckets)."""
+    ``held``: what the device holds beside it (the batch, DDP's buckets). ``fake=False``: ``model``'s tensors
+    are its own to step (real ones, or a fake twin's: ``lightning/fsdp.py``)."""
     with cache_warnings_silenced():
         install(model, plan)
         try:
-            return whole_step(model, forward, optimizers).holding(held)
+            return whole_step(model, forward, optimizers, fake=fake).holding(held)
         finally:
             remove_checkpointing(model)
+
+
+class WholeSteps(Protocol):
+    """How ``ckpt.memory``'s whole step is measured with a plan installed, at a batch of ``rows`` samples (None:
+    the sample's): :class:`ModuleSteps` on the module itself; under FSDP, on the fake twin the strategy shards as
+    it will shard the module (``lightning/fsdp.py``)."""
+
+    def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit: ...
+
+
+@dataclass(frozen=True)
+class ModuleSteps:
+    """The whole step of ``model`` itself, on fake tensors: ``loss(rows)`` is the step to its loss at ``rows``
+    samples, ``held(rows)`` what the device holds beside it (the batch, DDP's buckets)."""
+
+    model: nn.Module
+    loss: Callable[[int | None], Callable[[], Any]]
+    optimizers: Sequence[torch.optim.Optimizer] = ()
+    held: Callable[[int | None], Sequence[Held]] = field(default=lambda rows: ())
+
+    def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
+        return whole_of(self.model, plan, self.loss(rows), self.optimizers, self.held(rows))
 
 
 def fit_memory(tried: list[Strategy], limit: int, whole: Callable[[WrapPlan], StepSplit],
@@ -149,4 +172,4 @@ def too_small(limit: int, least: StepSplit, without: StepSplit | None, key: str 
         value=limit, least=least.peak)
 
 
-__all__ = ["StepFit", "fit_memory", "least_plan", "too_small", "whole_of"]
+__all__ = ["ModuleSteps", "StepFit", "WholeSteps", "fit_memory", "least_plan", "too_small", "whole_of"]

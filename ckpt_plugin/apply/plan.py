@@ -21,6 +21,7 @@ from torch import nn
 
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.auto import auto_plan, given_plan
+from ckpt_plugin.apply.memory import WholeSteps
 from ckpt_plugin.apply.segments import chain_problems, optimal_plan
 from ckpt_plugin.apply.treatment import compiled_line, treatment_of
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig
@@ -38,7 +39,7 @@ from ckpt_plugin.measure.whole_step import Held
 def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None, *,
              optimizers: Sequence[torch.optim.Optimizer] = (),
              timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
-             held: Sequence[Held] = ()) -> WrapPlan:
+             held: Sequence[Held] = (), steps: WholeSteps | None = None) -> WrapPlan:
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
@@ -48,7 +49,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     ``optimizers``: what the training step steps, for ``ckpt.memory``'s whole step (their state is counted);
     ``timing_forward``: ``ckpt=auto``'s options are timed on it; ``step``: the training step to its loss, which
     ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``); ``held``: what the device holds
-    beside the step (the batch, DDP's gradient buckets).
+    beside the step (the batch, DDP's gradient buckets); ``steps``: how the whole step is measured, where not on
+    ``model`` itself (``memory.WholeSteps``: under FSDP, a fake twin as the strategy shards it).
     """
     given, model = model, user_module(model)
     if isinstance(config, NoneConfig):
@@ -61,7 +63,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     if isinstance(config, AutoConfig):
         forward = forward or sample_forward(model)
         return planned(model, forward, "ckpt.mode", lambda: auto_plan(
-            given, model, config, names, forward, note, optimizers, timing_forward, step, held))
+            given, model, config, names, forward, note, optimizers, timing_forward, step, held, steps))
     segments = getattr(config, "segments", None)
     if segments is None:
         backend = backend_of(config.compile)

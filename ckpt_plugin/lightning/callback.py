@@ -78,6 +78,7 @@ from ckpt_plugin.config.schema import (
 )
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.lightning.fsdp import is_fsdp, names_after_wrapping, renamed, twin_of
 from ckpt_plugin.lightning.memory import StepWatch, check_settable, forward_at, memory_plan, set_batch_size
 from ckpt_plugin.lightning.sample import sample_call
 from ckpt_plugin.lightning.strategies import (
@@ -170,6 +171,7 @@ class ActivationCheckpointing(pl.Callback):
         self.batch_size: int | None = None  # ckpt.batch=max: the micro-batch set for this fit
         self.step_watch: StepWatch | None = None  # ckpt.memory: the whole step predicted, and measured at batch 2
         self._batches = 0  # training batches of this fit so far
+        self._early: tuple[Any, dict[str, nn.Module]] | None = None  # FSDP: the plan made in setup, its modules
 
     # -- the checkpoint's record: what this fit was trained with ----------------------------------
 
@@ -216,33 +218,55 @@ class ActivationCheckpointing(pl.Callback):
             raise refused
         if isinstance(self.config, AutoConfig) and self.config.batch == "max" and self.config.plan is None:
             check_settable(pl_module)  # before anything is planned: where the batch size would be written
+        # ckpt.memory under FSDP plans here, while the module is whole (lightning/fsdp.py).
+        before_sharding = (isinstance(self.config, AutoConfig) and self.config.plan is None
+                           and self.config.read_memory is not None and is_fsdp(trainer.strategy))
         try:
             _check_on(pl_module, self.config)
-        except ConfigError:
+        except ConfigError as err:
             # Lightning calls configure_model (and the module's own setup) after this hook: layers built
             # there do not exist yet. on_fit_start checks again, once they do.
-            if any(is_overridden(hook, pl_module) for hook in ("configure_model", "configure_sharded_model", "setup")):
+            built_later = any(is_overridden(hook, pl_module)
+                              for hook in ("configure_model", "configure_sharded_model", "setup"))
+            if built_later and before_sharding:
+                raise ConfigError([*err.problems, Problem(
+                    "ckpt.memory",
+                    f"under {type(trainer.strategy).__name__} ckpt.memory plans in the callback's setup, while the "
+                    f"module is whole, before {type(pl_module).__name__}.configure_model (or setup) builds layers",
+                    "build the layers in __init__, or plan on one process (ckpt.memory writes ckpt_plan.json) "
+                    "and give the file with ckpt.plan=<file>")]) from err
+            if built_later:
                 return
             raise
+        if before_sharding:
+            self._plan_before_sharding(trainer, pl_module)
+
+    def _plan_before_sharding(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """ckpt.memory under FSDP: rank 0 plans on the whole module, every whole step on the fake twin the strategy
+        shards (``fsdp.py``); every rank gets the plan (installed at fit start) and sets the batch."""
+        forward = self._example_forward(trainer, pl_module, from_batch=True)
+        if forward is None:
+            raise _no_sample(pl_module)
+        plan, batch = self._agreed_plan(trainer, pl_module, forward, before_sharding=True)
+        if batch is not None:
+            set_batch_size(trainer, pl_module, batch)
+            self.batch_size = batch
+        self._early = (plan, dict(user_module(pl_module).named_modules()))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(self.config, NoneConfig):
             rank_zero_info("Activation checkpointing is off (ckpt=none).")
             return
         prepare(trainer.strategy, pl_module, self.config)
-        planning = isinstance(self.config, AutoConfig) and self.config.plan is None  # ckpt.plan: no profile
-        profiled = planning or getattr(self.config, "segments", None) == "optimal"
+        early, self._early = self._early, None  # planned in setup, before the strategy sharded the module
+        planning = isinstance(self.config, AutoConfig) and self.config.plan is None and early is None
+        profiled = planning or early is not None or getattr(self.config, "segments", None) == "optimal"
         forward = self._example_forward(trainer, pl_module, from_batch=profiled)
         if forward is None and planning:
-            raise ConfigError([Problem(
-                "ckpt.mode",
-                f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on "
-                f"{type(pl_module).__name__} (Lightning's convention: a tensor, a tuple of arguments or a dict); "
-                "without it the first training batch serves, but there is no train dataloader or its "
-                "training_step runs the model otherwise than through self(...)",
-                "set example_input_array, or choose another ckpt preset",
-            )])
-        if planning:
+            raise _no_sample(pl_module)
+        if early is not None:  # the same modules, named as the strategy's wrapping named them
+            plan = renamed(early[0], names_after_wrapping(early[1], pl_module))
+        elif planning:
             plan, batch = self._agreed_plan(trainer, pl_module, forward)
             if batch is not None:
                 set_batch_size(trainer, pl_module, batch)
@@ -267,7 +291,7 @@ class ActivationCheckpointing(pl.Callback):
                 without = err
         self._installed = install_plan(pl_module, plan)
         self.wrapped = self._installed.names
-        if planning:
+        if planning or early is not None:
             self._keep(trainer, pl_module, plan)
         self._say_what_was_wrapped(pl_module, plan, forward, sharded, without, rows, options)
         self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig)
@@ -304,10 +328,11 @@ class ActivationCheckpointing(pl.Callback):
 
     # -- ckpt=auto: one plan on every rank, kept --------------------------------------------------
 
-    def _agreed_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     forward: Callable[[], Any] | None) -> tuple[Any, int | None]:
+    def _agreed_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, forward: Callable[[], Any] | None,
+                     before_sharding: bool = False) -> tuple[Any, int | None]:
         """The plan every rank installs: the checkpoint's on a resume with the same keys, else rank 0's; and the
-        batch size ``ckpt.batch=max`` found (rank 0's), or None."""
+        batch size ``ckpt.batch=max`` found (rank 0's), or None. ``before_sharding``: FSDP's module, whole, in
+        ``setup``: rank 0 plans alone (no forward of it issues a collective yet), the whole step on its twin."""
         if self._resumed is not None:
             plan = plan_from_dict(self._resumed, pl_module, "the checkpoint's plan (trainer.fit(ckpt_path=...))")
             self._resumed = None
@@ -315,7 +340,7 @@ class ActivationCheckpointing(pl.Callback):
                      f"({len(plan.names)} module(s))", str(plan.planned) if plan.planned is not None else ""]
             return replace(plan, summary="\n".join(filter(None, [plan.note, *lines]))), None
         world, rank = trainer.world_size, trainer.global_rank
-        alone = world == 1 or rank_zero_plans_alone(trainer.strategy, pl_module)
+        alone = world == 1 or before_sharding or rank_zero_plans_alone(trainer.strategy, pl_module)
         plan = error = batch = None
         if rank == 0 or not alone:
             who = "rank 0 measures" if world > 1 and alone else (
@@ -325,7 +350,8 @@ class ActivationCheckpointing(pl.Callback):
                                                         else "ckpt.budget..."))
             try:
                 if self.config.read_memory is not None:
-                    plan, batch = memory_plan(trainer, pl_module, self.config, forward)
+                    twin = twin_of(trainer, pl_module) if before_sharding else None
+                    plan, batch = memory_plan(trainer, pl_module, self.config, forward, twin)
                 else:
                     plan = plan_for(pl_module, self.config, forward)
             except Exception as err:
@@ -449,6 +475,17 @@ class ActivationCheckpointing(pl.Callback):
 
 # The keys' help, written once (config/keys.py): what jsonargparse's --help and help() print.
 ActivationCheckpointing.__doc__ = f"{ActivationCheckpointing.__doc__.rstrip()}\n\n{args_section()}\n"
+
+
+def _no_sample(pl_module: pl.LightningModule) -> ConfigError:
+    return ConfigError([Problem(
+        "ckpt.mode",
+        f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on "
+        f"{type(pl_module).__name__} (Lightning's convention: a tensor, a tuple of arguments or a dict); "
+        "without it the first training batch serves, but there is no train dataloader or its "
+        "training_step runs the model otherwise than through self(...)",
+        "set example_input_array, or choose another ckpt preset",
+    )])
 
 
 def _check_on(model: nn.Module, config: CkptConfig) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,11 +34,13 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 
 from ckpt_plugin._compat import CategoryPeakTracker, tree_leaves
 from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
+from ckpt_plugin.apply.memory import WholeSteps
 from ckpt_plugin.apply.plan import candidates, plan_for
 from ckpt_plugin.config.memory import resolve_memory
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.lightning.fsdp import Twin, TwinSteps, twin_sample
 from ckpt_plugin.lightning.sample import (
     first_batch,
     random_state_kept,
@@ -105,12 +107,14 @@ def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
 
 
 def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AutoConfig,
-                forward: Callable[[], Any] | None) -> tuple[WrapPlan, int | None]:
+                forward: Callable[[], Any] | None, twin: Twin | None = None) -> tuple[WrapPlan, int | None]:
     """``ckpt=auto`` with ``ckpt.memory``: the plan (and, for ``ckpt.batch=max``, the batch) for the whole step
-    of this module, the Trainer's optimizers stepping."""
+    of this module, the Trainer's optimizers stepping; under FSDP the whole step of ``twin`` (``fsdp.py``), its
+    optimizers stepping."""
     sample = training_sample(trainer, pl_module)
-    optimizers = list(trainer.optimizers)
+    optimizers = list(trainer.optimizers) if twin is None else twin.optimizers
     held = tuple(h for h in (strategy_held(trainer, pl_module),) if h is not None)
+    steps = _twin_steps(trainer, twin, sample, held) if twin is not None and sample is not None else None
     said = [] if sample is None or sample.step is not None else [
         "  (the whole step measured runs the module's call and sums its output: "
         + ("its training_step steps the optimizers itself" if not pl_module.automatic_optimization else
@@ -118,15 +122,42 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     if config.batch != "max" or sample is None:
         plan = plan_for(pl_module, config, forward, optimizers=optimizers,
                         step=sample.loss() if sample is not None else None,
-                        held=held + ((sample.held(),) if sample is not None else ()))
+                        held=held + ((sample.held(),) if sample is not None else ()), steps=steps)
         return _said(plan, said), None
     names = candidates(pl_module, config)
     limit = resolve_memory(config.read_memory, pl_module.device)
     found = largest_batch(pl_module, names, sample, limit, optimizers, bound=_dataset_length(trainer, pl_module),
-                          preserve_rng_state=config.preserve_rng_state, held=held)
+                          preserve_rng_state=config.preserve_rng_state, held=held, steps=steps)
+    at_batch = None if steps is None else _AtBatch(steps, found.batch)
     plan = plan_for(pl_module, config, sample.forward(found.batch), optimizers=optimizers, timing_forward=forward,
-                    step=sample.loss(found.batch), held=(*held, sample.held(found.batch)))
+                    step=sample.loss(found.batch), held=(*held, sample.held(found.batch)), steps=at_batch)
     return _said(plan, [*found.lines(limit), *said]), found.batch
+
+
+def _twin_steps(trainer: pl.Trainer, twin: Twin, sample: Sample, held: tuple[Held, ...]) -> TwinSteps:
+    """The whole step on ``twin``: its call through the FSDP root, and its ``training_step`` redirected through it
+    as ``FSDPStrategy.training_step`` does (``_forward_redirection``, private to Lightning)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with trainer.precision_plugin.forward_context():
+            return twin.wrapped(*args, **kwargs)
+
+    def step(batch: Any) -> Any:
+        with _logging_silenced(twin.module), trainer.precision_plugin.train_step_context():
+            out = trainer.strategy._forward_redirection(twin.wrapped, twin.module, "training_step", batch, 0)
+        return out["loss"] if isinstance(out, Mapping) else out
+
+    return TwinSteps(twin, twin_sample(twin, sample, run, step), held)
+
+
+@dataclass(frozen=True)
+class _AtBatch:
+    """``steps`` at a fixed batch of ``rows`` samples (the plan made once ``ckpt.batch=max`` found it)."""
+
+    steps: WholeSteps
+    rows: int
+
+    def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
+        return self.steps.of(plan, self.rows)
 
 
 def strategy_held(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Held | None:

@@ -136,14 +136,18 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
     if name is None:
         return None
     if config.read_memory is not None:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if isinstance(strategy, FSDPStrategy):  # planned in setup, the whole step on a sharded fake twin (fsdp.py)
+            return None
         return ConfigError([Problem(
             "ckpt.memory",
             f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step on one "
-            "rank is measured on fake tensors outside the strategy, and the shards of parameters, gradients and "
-            "optimizer state and the units gathered at once are not modelled yet",
-            "under DDP or on one device ckpt.memory plans the whole step; here plan the activations on one "
-            "process (ckpt.budget, whose run writes ckpt_plan.json) and give that file with ckpt.plan=<file>, or "
-            "choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
+            "rank is measured on a fake twin that the strategy shards as it shards the module, and of the sharded "
+            "strategies only Lightning's FSDPStrategy (FSDP v1) is modelled so far",
+            "under FSDPStrategy, DDP or on one device ckpt.memory plans the whole step; here plan the activations "
+            "on one process (ckpt.budget, whose run writes ckpt_plan.json) and give that file with "
+            "ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
         )])
     return ConfigError([Problem(
         "ckpt.mode",

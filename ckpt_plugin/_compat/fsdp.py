@@ -1,0 +1,75 @@
+"""FSDP (v1) on fake tensors with a fake process group: a rank's sharded step measured without a collective.
+
+torch's ``FakeProcessGroup`` (private: ``torch._C._distributed_c10d``) is a
+process group of any size whose collectives do nothing; with fake tensors the
+FSDP wrapping, its all-gathers and reduce-scatters allocate exactly what the real
+rank allocates and move no data. Two things stand between it and FSDP (v1) as
+torch 2.13 has it, both undone on leaving :func:`fsdp_on_fake_tensors`:
+
+- ``torch.distributed``'s collectives look the group up in the default world's map,
+  where a group made outside ``init_process_group`` is not ("is not initialized in
+  the world group map"). A call on a fake group returns at once here: the output
+  FSDP allocated before the call is all the memory the collective takes.
+- ``_flat_param._data_ptr_allocated`` (whether a gathered flat parameter's storage is
+  allocated) reads ``data_ptr()``, which a fake tensor does not have; its storage's
+  size says the same.
+
+Measured with 2 gloo processes (FULL_SHARD and SHARD_GRAD_OP, AdamW, a block wrap
+policy): the fake rank's second step equals the real rank's in every MemTracker
+category, to the byte (``tests/test_fit_fsdp.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+# What FSDP (v1) calls (``_runtime_utils``, ``_flat_param``, ``fully_sharded_data_parallel``), and their older names.
+_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "_all_gather_base", "_reduce_scatter_base", "all_reduce", "all_gather", "broadcast", "barrier")
+
+
+def fake_process_group(rank: int, world_size: int) -> Any:
+    """A process group of ``world_size`` ranks, this one ``rank``, whose collectives do nothing."""
+    from torch._C._distributed_c10d import FakeProcessGroup  # private
+
+    return FakeProcessGroup._create_internal(rank, world_size)
+
+
+def _is_fake_group(group: Any) -> bool:
+    from torch._C._distributed_c10d import FakeProcessGroup  # private
+
+    return isinstance(group, FakeProcessGroup)
+
+
+def _skipping_fake_groups(collective: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if any(_is_fake_group(a) for a in (kwargs.get("group"), *args)):
+            return None  # its outputs were allocated by the caller, and fake: nothing to move
+        return collective(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def fsdp_on_fake_tensors() -> Iterator[None]:
+    """FSDP (v1) runs with a :func:`fake_process_group` on fake tensors inside; as it was outside."""
+    from torch.distributed.fsdp import _flat_param  # private
+
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    allocated = _flat_param._data_ptr_allocated
+    try:
+        for name, collective in saved.items():
+            setattr(dist, name, _skipping_fake_groups(collective))
+        _flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
+        yield
+    finally:
+        for name, collective in saved.items():
+            setattr(dist, name, collective)
+        _flat_param._data_ptr_allocated = allocated
+
+
+__all__ = ["fake_process_group", "fsdp_on_fake_tensors"]

@@ -1,0 +1,77 @@
+"""Two FSDP ranks (Lightning's FSDPStrategy, FSDP v1, gloo on CPU) fitting ``ckpt.memory``, for
+tests/test_fit_fsdp.py.
+
+    python tests/fit_fsdp_worker.py OUT_DIR '[{"name": "adamw_low", "optimizer": "adamw", "memory": 3000000}]'
+
+Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD) for three steps with ``ckpt=auto``,
+``ckpt.memory`` and, where the run says so, ``ckpt.batch=max``. Rank 0 plans in setup, on the whole module, each
+whole step on a fake twin the strategy shards; every rank installs the plan and measures its own whole step at
+the second batch. Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the batch, the whole step
+predicted and measured (MemTracker, every category), or the error it raised. The runs share the two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ckpt_examples.data import TextData
+from ckpt_examples.gpt import GPT, TransformerBlock
+from ckpt_plugin import ActivationCheckpointing
+
+SIZE = dict(n_layer=4, n_embd=64, n_head=2, block_size=64, dropout=0.0)
+
+
+class SGDGPT(GPT):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Sizes(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(batch[0].shape[0])
+
+
+def fit(out: Path, run: dict[str, Any]) -> None:
+    from cpu_strategies import CPUFSDPStrategy
+
+    torch.manual_seed(0)
+    model = (SGDGPT if run["optimizer"] == "sgd" else GPT)(**SIZE, batch_size=run.get("data_batch", 4))
+    data = TextData(block_size=SIZE["block_size"], batch_size=run.get("data_batch", 4), num_samples=512)
+    callback = ActivationCheckpointing(mode="auto", layers="TransformerBlock", memory=run["memory"],
+                                       batch=run.get("batch"))
+    sizes = Sizes()
+    trainer = pl.Trainer(max_steps=3, callbacks=[callback, sizes], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
+                         strategy=CPUFSDPStrategy(auto_wrap_policy={TransformerBlock}), default_root_dir=out)
+    where = out / run["name"]
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        trainer.fit(model, data)
+    except Exception as err:  # recorded; the next run goes on in the same two processes
+        record = {"error": [type(err).__name__, str(err)], "trace": traceback.format_exc()[-3000:]}
+    else:
+        watch = callback.step_watch
+        record = {"world_size": trainer.world_size, "wrapped": callback.wrapped, "batch": callback.batch_size,
+                  "seen": sizes.seen, "predicted": watch.predicted.peak, "measured": watch.measured.peak,
+                  "predicted_at_peak": watch.predicted.at_peak, "measured_at_peak": watch.measured.at_peak}
+    (where / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1])
+    target.mkdir(parents=True, exist_ok=True)
+    os.chdir(target)
+    sys.path.insert(0, str(Path(__file__).parent))
+    for run in json.loads(sys.argv[2]):
+        fit(target, run)

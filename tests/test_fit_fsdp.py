@@ -1,0 +1,120 @@
+"""``ckpt.memory`` under Lightning's FSDPStrategy (FSDP v1): the whole step of one rank, measured on a fake twin
+the strategy shards (``ckpt_plugin/lightning/fsdp.py``), against the real ranks' steps.
+
+Two gloo processes on CPU (tests/fit_fsdp_worker.py, one launch for every run): the example GPT with a unit per
+TransformerBlock, AdamW at three limits between the least whole step (3,241,888 B) and none's (6,408,864 B), SGD
+with momentum at one, and ``ckpt.batch=max``. Each rank measures its own step at the second batch (MemTracker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_plugin._compat import fake_tensor_mode, is_fake
+from ckpt_plugin.engine.plan import EachLayer, WrapPlan
+from ckpt_plugin.engine.treatment import Treatment
+from ckpt_plugin.lightning.fsdp import fake_copy, renamed
+
+WORKER = Path(__file__).with_name("fit_fsdp_worker.py")
+RUNS = [
+    {"name": "adamw_low", "optimizer": "adamw", "memory": 3_400_000},
+    {"name": "adamw_mid", "optimizer": "adamw", "memory": 4_800_000},
+    {"name": "adamw_high", "optimizer": "adamw", "memory": 6_100_000},
+    {"name": "sgd_mid", "optimizer": "sgd", "memory": 4_300_000},
+    {"name": "batch_max", "optimizer": "adamw", "memory": 8_000_000, "batch": "max"},
+]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fit_fsdp") / "run"
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps(RUNS)], check=False,
+                          capture_output=True, text=True, env=env, cwd=out.parent, timeout=420)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (out / "output.txt").write_text(proc.stdout + proc.stderr)
+    return out
+
+
+def ranks(out: Path, run: str) -> list[dict]:
+    return [json.loads((out / run / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("run", [r["name"] for r in RUNS])
+def test_every_rank_measures_its_sharded_whole_step_under_the_limit_and_as_predicted(out: Path, run: str) -> None:
+    limit = next(r["memory"] for r in RUNS if r["name"] == run)
+    zero, one = ranks(out, run)
+    assert "error" not in zero and "error" not in one, (zero.get("trace"), one.get("trace"))
+    assert zero["world_size"] == 2 and zero["wrapped"] == one["wrapped"]
+    assert zero["predicted"] == one["predicted"] <= limit  # rank 0's plan, made on its twin, is every rank's
+    # Rank 0 measures its twin's step to Lightning's own scalars (8 B); rank 1's shards end in FSDP's padding,
+    # which no parameter of its views covers, so its optimizer state is a few bytes less (68 B here).
+    for rank, slack in ((zero, 8), (one, 128)):
+        assert rank["measured"] <= limit
+        assert abs(rank["measured"] - rank["predicted"]) <= slack
+        for category, predicted in rank["predicted_at_peak"].items():
+            assert abs(rank["measured_at_peak"][category] - predicted) <= slack, category
+
+
+def test_a_lower_limit_checkpoints_more_and_a_limit_above_the_step_without_wraps_nothing(out: Path) -> None:
+    wrapped = [len(ranks(out, r)[0]["wrapped"]) for r in ("adamw_high", "adamw_mid", "adamw_low")]
+    assert 0 < wrapped[0] < wrapped[1] < wrapped[2]
+    assert all(".attn" in n or ".mlp" in n or n.endswith("_fsdp_wrapped_module")
+               for n in ranks(out, "adamw_low")[0]["wrapped"])  # named as FSDP wrapped them: the same modules
+
+
+def test_batch_max_sets_one_larger_batch_on_both_ranks(out: Path) -> None:
+    zero, one = ranks(out, "batch_max")
+    assert zero["batch"] == one["batch"] > 4
+    assert zero["seen"] == one["seen"] == [zero["batch"]] * 3  # each rank's loader was built again at that size
+
+
+def test_the_plan_is_said_with_the_sharded_split(out: Path) -> None:
+    said = (out / "output.txt").read_text()
+    assert "ckpt.memory=4800000 (4.6 MiB, 4800000 B) for the whole step on one rank" in said
+    assert "ckpt.memory: the whole step measured at the second batch (MemTracker)" in said
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x) * self.scale)
+
+
+def test_a_fake_copy_keeps_ties_and_attributes_and_puts_no_hook_on_the_module() -> None:
+    model = _Tied()
+    model.note = object()
+    mode = fake_tensor_mode()
+    copy, copies = fake_copy(model, mode, torch.bfloat16)
+    assert copies[id(model)] is copy and copies[id(model.head)] is copy.head
+    assert copy.head.weight is copy.emb.weight and isinstance(copy.head.weight, nn.Parameter)
+    assert is_fake(copy.emb.weight) and copy.emb.weight.dtype == torch.bfloat16 and copy.emb.weight.requires_grad
+    assert is_fake(copy.scale) and copy.note is model.note
+    assert not is_fake(model.emb.weight) and model.emb.weight.dtype == torch.float32
+    copy.head.register_forward_pre_hook(lambda m, a: None)
+    assert not model.head._forward_pre_hooks and len(copy.head._forward_pre_hooks) == 1
+
+
+def test_a_plan_is_renamed_module_by_module_op_groups_included() -> None:
+    treatment = Treatment()
+    plan = WrapPlan((EachLayer(("blocks.0", "blocks.1.attn", "blocks.1.attn.part.0"), treatment),),
+                    regroup=("blocks.1.attn",))
+    names = {"blocks.0": "blocks.0._fsdp_wrapped_module", "blocks.1.attn": "blocks.1._fsdp_wrapped_module.attn"}
+    got = renamed(plan, names)
+    assert got.names == ["blocks.0._fsdp_wrapped_module", "blocks.1._fsdp_wrapped_module.attn",
+                         "blocks.1._fsdp_wrapped_module.attn.part.0"]
+    assert got.regroup == ("blocks.1._fsdp_wrapped_module.attn",)
