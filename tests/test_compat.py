@@ -725,3 +725,21 @@ def test_module_running_finds_the_module_called_and_the_one_recomputed() -> None
     torch.utils.checkpoint.checkpoint(probe.forward, x, use_reentrant=False).sum().backward()
     probe(x)
     assert found == [None, probe, probe]  # checkpoint calls fn directly; its recompute_fn, then nn.Module's call
+
+
+def test_fsdp_shards_a_fake_module_on_a_fake_group_and_the_collectives_come_back_as_they_were() -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    before = dist.all_gather_single, dist.reduce_scatter_single
+    group = _compat.fake_process_group(1, 4)
+    assert (group.rank(), group.size()) == (1, 4)
+    mode = _compat.fake_tensor_mode()
+    model, _copies = _compat.fake_copy(_mlp(), mode)
+    with mode, _compat.fsdp_on_fake_tensors():
+        sharded = FullyShardedDataParallel(model, process_group=group, device_id=torch.device("cpu"),
+                                           use_orig_params=True)
+        sharded(torch.randn(3, 8)).sum().backward()
+        flat = sharded._flat_param  # this rank's shard: a quarter of the 212 parameters
+        assert _compat.is_fake(flat) and flat.numel() == 53 and flat.grad.numel() == 53
+    assert (dist.all_gather_single, dist.reduce_scatter_single) == before

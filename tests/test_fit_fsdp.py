@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import fake_tensor_mode, is_fake
+from ckpt_plugin._compat import fake_copy, fake_tensor_mode, is_fake
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.treatment import Treatment
-from ckpt_plugin.lightning.fsdp import fake_copy, renamed
+from ckpt_plugin.lightning.fsdp import renamed
 
 WORKER = Path(__file__).with_name("fit_fsdp_worker.py")
 RUNS = [

@@ -47,7 +47,7 @@ from ckpt_plugin._compat.fake import (
     raised_by_fake_tensors,
     reads_values,
 )
-from ckpt_plugin._compat.fsdp import fake_process_group, fsdp_on_fake_tensors
+from ckpt_plugin._compat.fsdp import fake_copy, fake_process_group, fsdp_on_fake_tensors
 from ckpt_plugin._compat.hooks import (
     global_hook_count,
     hook_count,
@@ -90,6 +90,7 @@ __all__ = [
     "compiler_backend",
     "early_stop_in_force",
     "fake_read_error",
+    "fake_copy",
     "fake_process_group",
     "fake_tensor_mode",
     "forget_compiled",

@@ -1,5 +1,8 @@
 """FSDP (v1) on fake tensors with a fake process group: a rank's sharded step measured without a collective.
 
+:func:`fake_copy` makes the module to shard: its parameters and buffers fake, set into each module's private
+``_parameters``/``_buffers``/``_modules`` (``Module.to`` cannot swap a fake parameter in place).
+
 torch's ``FakeProcessGroup`` (private: ``torch._C._distributed_c10d``) is a
 process group of any size whose collectives do nothing; with fake tensors the
 FSDP wrapping, its all-gathers and reduce-scatters allocate exactly what the real
@@ -11,8 +14,9 @@ torch 2.13 has it, both undone on leaving :func:`fsdp_on_fake_tensors`:
   the world group map"). A call on a fake group returns at once here: the output
   FSDP allocated before the call is all the memory the collective takes.
 - ``_flat_param._data_ptr_allocated`` (whether a gathered flat parameter's storage is
-  allocated) reads ``data_ptr()``, which a fake tensor does not have; its storage's
-  size says the same.
+  allocated) and ``_flat_param._same_storage`` read ``data_ptr()``, which a fake tensor
+  does not have (0, with a warning that it will raise); the storage's size, and the
+  storage itself, say the same.
 
 Measured with 2 gloo processes (FULL_SHARD and SHARD_GRAD_OP, AdamW, a block wrap
 policy): the fake rank's second step equals the real rank's in every MemTracker
@@ -25,11 +29,50 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # What FSDP (v1) calls (``_runtime_utils``, ``_flat_param``, ``fully_sharded_data_parallel``), and their older names.
 _COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                 "_all_gather_base", "_reduce_scatter_base", "all_reduce", "all_gather", "broadcast", "barrier")
+
+
+def fake_copy(module: torch.nn.Module, mode: Any,
+              dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, dict[int, torch.nn.Module]]:
+    """A copy of ``module`` with fake parameters and buffers (``mode``'s; floating ones in ``dtype`` if given) and
+    every other attribute shared; and the map from each module's id to its copy. Tied parameters stay tied; hooks
+    are copied, so hooks put on the copy (FSDP's) stay off the module."""
+    copies: dict[int, torch.nn.Module] = {}
+    tensors: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in tensors:
+            copy = mode.from_tensor(t)  # a Parameter stays a Parameter, its requires_grad kept
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                with mode:
+                    converted = copy.detach().to(dtype)
+                parameter = isinstance(t, torch.nn.Parameter)
+                copy = torch.nn.Parameter(converted, t.requires_grad) if parameter else converted
+            tensors[id(t)] = copy
+        return tensors[id(t)]
+
+    def copy_of(m: torch.nn.Module) -> torch.nn.Module:
+        if id(m) in copies:
+            return copies[id(m)]
+        new = type(m).__new__(type(m))  # not copy.copy: LightningModule.__getstate__ drops the trainer
+        new.__dict__.update(m.__dict__)
+        copies[id(m)] = new
+        for key, value in m.__dict__.items():
+            if isinstance(value, dict | set) and key.startswith("_"):  # hooks, _non_persistent_buffers_set, ...
+                new.__dict__[key] = type(value)(value)
+        new._parameters = {k: fake(p) for k, p in m._parameters.items()}
+        new._buffers = {k: fake(b) for k, b in m._buffers.items()}
+        new._modules = {k: copy_of(c) if c is not None else None for k, c in m._modules.items()}
+        return new
+
+    return copy_of(module), copies
 
 
 def fake_process_group(rank: int, world_size: int) -> Any:
@@ -60,16 +103,20 @@ def fsdp_on_fake_tensors() -> Iterator[None]:
     from torch.distributed.fsdp import _flat_param  # private
 
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    allocated = _flat_param._data_ptr_allocated
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    allocated, same = _flat_param._data_ptr_allocated, _flat_param._same_storage
     try:
         for name, collective in saved.items():
             setattr(dist, name, _skipping_fake_groups(collective))
         _flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
+        _flat_param._same_storage = lambda a, b: (StorageWeakRef(a.untyped_storage())
+                                                  == StorageWeakRef(b.untyped_storage()))
         yield
     finally:
         for name, collective in saved.items():
             setattr(dist, name, collective)
-        _flat_param._data_ptr_allocated = allocated
+        _flat_param._data_ptr_allocated, _flat_param._same_storage = allocated, same
 
 
-__all__ = ["fake_process_group", "fsdp_on_fake_tensors"]
+__all__ = ["fake_copy", "fake_process_group", "fsdp_on_fake_tensors"]

@@ -63,42 +63,6 @@ def is_fsdp(strategy: Any) -> bool:
     return isinstance(strategy, FSDPStrategy)
 
 
-def fake_copy(module: nn.Module, mode: Any, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """A copy of ``module`` with fake parameters and buffers (``mode``'s; floating ones in ``dtype`` if given) and
-    every other attribute shared; and the map from each module's id to its copy. Tied parameters stay tied; hooks
-    are copied, so hooks put on the copy (FSDP's) stay off the module."""
-    copies: dict[int, nn.Module] = {}
-    tensors: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if id(t) not in tensors:
-            copy = mode.from_tensor(t)  # a Parameter stays a Parameter, its requires_grad kept
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                with mode:
-                    converted = copy.detach().to(dtype)
-                copy = nn.Parameter(converted, t.requires_grad) if isinstance(t, nn.Parameter) else converted
-            tensors[id(t)] = copy
-        return tensors[id(t)]
-
-    def copy_of(m: nn.Module) -> nn.Module:
-        if id(m) in copies:
-            return copies[id(m)]
-        new = type(m).__new__(type(m))  # not copy.copy: LightningModule.__getstate__ drops the trainer
-        new.__dict__.update(m.__dict__)
-        copies[id(m)] = new
-        for key, value in m.__dict__.items():
-            if isinstance(value, dict | set) and key.startswith("_"):  # hooks, _non_persistent_buffers_set, ...
-                new.__dict__[key] = type(value)(value)
-        new._parameters = {k: fake(p) for k, p in m._parameters.items()}
-        new._buffers = {k: fake(b) for k, b in m._buffers.items()}
-        new._modules = {k: copy_of(c) if c is not None else None for k, c in m._modules.items()}
-        return new
-
-    return copy_of(module), copies
-
-
 @dataclass
 class Twin:
     """A fake twin of the LightningModule, sharded by the strategy as the module will be (module docstring)."""
@@ -192,4 +156,4 @@ def names_after_wrapping(before: Mapping[str, nn.Module], pl_module: pl.Lightnin
     return {name: now[id(m)] for name, m in before.items() if id(m) in now}
 
 
-__all__ = ["Twin", "TwinSteps", "fake_copy", "is_fsdp", "names_after_wrapping", "renamed", "twin_of", "twin_sample"]
+__all__ = ["Twin", "TwinSteps", "is_fsdp", "names_after_wrapping", "renamed", "twin_of", "twin_sample"]
