@@ -3,7 +3,8 @@ tests/test_fit_fsdp.py.
 
     python tests/fit_fsdp_worker.py OUT_DIR '[{"name": "adamw_low", "optimizer": "adamw", "memory": 3000000}]'
 
-Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD) for three steps with ``ckpt=auto``,
+Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD; or, with ``"model": "resnet"``, the
+example ResNet, a unit per Bottleneck) for three steps with ``ckpt=auto``,
 ``ckpt.memory`` and, where the run says so, ``ckpt.batch=max``. Rank 0 plans in setup, on the whole module, each
 whole step on a fake twin the strategy shards; every rank installs the plan and measures its own whole step at
 the second batch. Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the batch, the whole step
@@ -22,8 +23,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ckpt_examples.data import TextData
+from ckpt_examples.data import ImageData, TextData
 from ckpt_examples.gpt import GPT, TransformerBlock
+from ckpt_examples.resnet import Bottleneck, ResNet
 from ckpt_plugin import ActivationCheckpointing
 
 SIZE = dict(n_layer=4, n_embd=64, n_head=2, block_size=64, dropout=0.0)
@@ -46,14 +48,19 @@ def fit(out: Path, run: dict[str, Any]) -> None:
     from cpu_strategies import CPUFSDPStrategy
 
     torch.manual_seed(0)
-    model = (SGDGPT if run["optimizer"] == "sgd" else GPT)(**SIZE, batch_size=run.get("data_batch", 4))
-    data = TextData(block_size=SIZE["block_size"], batch_size=run.get("data_batch", 4), num_samples=512)
-    callback = ActivationCheckpointing(mode="auto", layers="TransformerBlock", memory=run["memory"],
+    if run.get("model") == "resnet":  # SGD with momentum, BatchNorm's buffers; a unit per Bottleneck
+        model, layer = ResNet(channels=16, depths=(1, 1), image_size=16, batch_size=8, dropout=0.0), Bottleneck
+        data = ImageData(image_size=16, batch_size=8, num_samples=256)
+    else:
+        model = (SGDGPT if run["optimizer"] == "sgd" else GPT)(**SIZE, batch_size=run.get("data_batch", 4))
+        data, layer = TextData(block_size=SIZE["block_size"], batch_size=run.get("data_batch", 4),
+                               num_samples=512), TransformerBlock
+    callback = ActivationCheckpointing(mode="auto", layers=layer.__name__, memory=run["memory"],
                                        batch=run.get("batch"))
     sizes = Sizes()
     trainer = pl.Trainer(max_steps=3, callbacks=[callback, sizes], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
-                         strategy=CPUFSDPStrategy(auto_wrap_policy={TransformerBlock}), default_root_dir=out)
+                         strategy=CPUFSDPStrategy(auto_wrap_policy={layer}), default_root_dir=out)
     where = out / run["name"]
     where.mkdir(parents=True, exist_ok=True)
     try:

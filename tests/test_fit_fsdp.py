@@ -3,7 +3,7 @@ the strategy shards (``ckpt_plugin/lightning/fsdp.py``), against the real ranks'
 
 Two gloo processes on CPU (tests/fit_fsdp_worker.py, one launch for every run): the example GPT with a unit per
 TransformerBlock, AdamW at three limits between the least whole step (3,241,888 B) and none's (6,408,864 B), SGD
-with momentum at one, and ``ckpt.batch=max``. Each rank measures its own step at the second batch (MemTracker).
+with momentum at one, and ``ckpt.batch=max``; the example ResNet (BatchNorm's buffers, SGD with momentum) at one. Each rank measures its own step at the second batch (MemTracker).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ RUNS = [
     {"name": "adamw_high", "optimizer": "adamw", "memory": 6_100_000},
     {"name": "sgd_mid", "optimizer": "sgd", "memory": 4_300_000},
     {"name": "batch_max", "optimizer": "adamw", "memory": 8_000_000, "batch": "max"},
+    {"name": "resnet", "model": "resnet", "optimizer": "sgd", "memory": 950_000},  # least 860,288 B
 ]
 
 

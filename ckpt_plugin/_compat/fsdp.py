@@ -37,11 +37,11 @@ _COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_t
                 "_all_gather_base", "_reduce_scatter_base", "all_reduce", "all_gather", "broadcast", "barrier")
 
 
-def fake_copy(module: torch.nn.Module, mode: Any,
-              dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, dict[int, torch.nn.Module]]:
-    """A copy of ``module`` with fake parameters and buffers (``mode``'s; floating ones in ``dtype`` if given) and
-    every other attribute shared; and the map from each module's id to its copy. Tied parameters stay tied; hooks
-    are copied, so hooks put on the copy (FSDP's) stay off the module."""
+def fake_copy(module: torch.nn.Module, mode: Any, dtype: torch.dtype | None = None,
+              device: torch.device | None = None) -> tuple[torch.nn.Module, dict[int, torch.nn.Module]]:
+    """A copy of ``module`` with fake parameters and buffers (``mode``'s; floating ones in ``dtype``, all on
+    ``device``, if given) and every other attribute shared; and the map from each module's id to its copy. Tied
+    parameters stay tied; hooks are copied, so hooks put on the copy (FSDP's) stay off the module."""
     copies: dict[int, torch.nn.Module] = {}
     tensors: dict[int, torch.Tensor] = {}
 
@@ -50,9 +50,11 @@ def fake_copy(module: torch.nn.Module, mode: Any,
             return None
         if id(t) not in tensors:
             copy = mode.from_tensor(t)  # a Parameter stays a Parameter, its requires_grad kept
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            to_dtype = dtype if dtype is not None and t.is_floating_point() and t.dtype != dtype else t.dtype
+            to_device = device if device is not None and t.device != device else t.device
+            if (to_dtype, to_device) != (t.dtype, t.device):
                 with mode:
-                    converted = copy.detach().to(dtype)
+                    converted = copy.detach().to(device=to_device, dtype=to_dtype)
                 parameter = isinstance(t, torch.nn.Parameter)
                 copy = torch.nn.Parameter(converted, t.requires_grad) if parameter else converted
             tensors[id(t)] = copy

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import (
+    fake_copy,
     fake_process_group,
     fake_tensor_mode,
     fsdp_on_fake_tensors,
@@ -90,8 +91,9 @@ def twin_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Twin:
     strategy = trainer.strategy
     mode = fake_tensor_mode()
     # FSDPStrategy.setup converts the module to a "true" precision's dtype before wrapping it (FSDPPrecision.
-    # convert_module: module.to(dtype)); on fake parameters Module.to cannot swap them, so the copy is made so.
-    twin, copies = fake_copy(pl_module, mode, _TRUE_DTYPES.get(str(trainer.precision)))
+    # convert_module: module.to(dtype)), and FSDP moves it to its device; Module.to cannot swap a fake parameter
+    # in place ("Couldn't swap"), so the copy is made in that dtype, on that device.
+    twin, copies = fake_copy(pl_module, mode, _TRUE_DTYPES.get(str(trainer.precision)), strategy.root_device)
     before = {id(m): n for n, m in user_module(pl_module).named_modules()}
     kwargs = strategy.kwargs
     with mode, fsdp_on_fake_tensors():
