@@ -1,9 +1,10 @@
 """``ckpt.memory`` under Lightning's FSDPStrategy (FSDP v1): the whole step of one rank, measured on a fake twin
-the strategy shards (``ckpt_plugin/lightning/fsdp.py``), against the real ranks' steps.
+the strategy shards (``ckpt_plugin/apply/twin.py``, ``lightning/fsdp.py``), against the real ranks' steps.
 
 Two gloo processes on CPU (tests/fit_fsdp_worker.py, one launch for every run): the example GPT with a unit per
 TransformerBlock, AdamW at three limits between the least whole step (3,241,888 B) and none's (6,408,864 B), SGD
-with momentum at one, and ``ckpt.batch=max``; the example ResNet (BatchNorm's buffers, SGD with momentum) at one. Each rank measures its own step at the second batch (MemTracker).
+with momentum at one, and ``ckpt.batch=max``; the example ResNet (BatchNorm's buffers, SGD with momentum) at one.
+Each rank measures its own step at the second batch (MemTracker).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import fake_copy, fake_tensor_mode, is_fake
+from ckpt_plugin.apply.twin import renamed
 from ckpt_plugin.engine.plan import EachLayer, WrapPlan
 from ckpt_plugin.engine.treatment import Treatment
-from ckpt_plugin.lightning.fsdp import renamed
 
 WORKER = Path(__file__).with_name("fit_fsdp_worker.py")
 RUNS = [

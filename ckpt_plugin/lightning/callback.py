@@ -66,6 +66,7 @@ from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.install import Installation, install_plan
 from ckpt_plugin.apply.plan import plan_for
+from ckpt_plugin.apply.twin import names_after_wrapping, renamed
 from ckpt_plugin.config.keys import args_section
 from ckpt_plugin.config.schema import (
     MODES,
@@ -78,7 +79,7 @@ from ckpt_plugin.config.schema import (
 )
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.lightning.fsdp import is_fsdp, names_after_wrapping, renamed, twin_of
+from ckpt_plugin.lightning.fsdp import is_fsdp, twin_of
 from ckpt_plugin.lightning.memory import StepWatch, check_settable, forward_at, memory_plan, set_batch_size
 from ckpt_plugin.lightning.sample import sample_call
 from ckpt_plugin.lightning.strategies import (
@@ -89,6 +90,7 @@ from ckpt_plugin.lightning.strategies import (
     rank_zero_plans_alone,
     sharded_parameters,
 )
+from ckpt_plugin.lightning.wrapped import check_overkeep, report_rows
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import (
@@ -99,7 +101,6 @@ from ckpt_plugin.measure.report import (
     wrap_report,
     wrapped_line,
 )
-from ckpt_plugin.lightning.wrapped import check_overkeep, report_rows
 from ckpt_plugin.planning.plan_file import (
     FILE_NAME,
     plain,

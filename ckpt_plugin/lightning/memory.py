@@ -36,11 +36,11 @@ from ckpt_plugin._compat import CategoryPeakTracker, tree_leaves
 from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
 from ckpt_plugin.apply.memory import WholeSteps
 from ckpt_plugin.apply.plan import candidates, plan_for
+from ckpt_plugin.apply.twin import Twin, TwinSteps, twin_sample
 from ckpt_plugin.config.memory import resolve_memory
 from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.lightning.fsdp import Twin, TwinSteps, twin_sample
 from ckpt_plugin.lightning.sample import (
     first_batch,
     random_state_kept,

@@ -1,0 +1,307 @@
+"""``python -m ckpt_tools.fit_fsdp``: ``ckpt.memory`` under FSDP, its prediction on a fake twin against real ranks.
+
+    python -m ckpt_tools.fit_fsdp --quick                     # GPT and ResNet, 2 layers each, AdamW, 2 ranks
+    python -m ckpt_tools.fit_fsdp --batch --out fsdp.json     # + five zoo models, AdamW and SGD, the batch search
+
+``fit_check``'s checks (the same models, optimizers, limits and tables), each on
+``--world`` gloo processes on the CPU, the model sharded by FSDP (v1, FULL_SHARD,
+``use_orig_params=True``) with one unit per layer ``ckpt.layers`` selects:
+
+1. rank 0 measures the whole step on the fake twin that FSDP shards as rank 0
+   (``ckpt_plugin/apply/twin.py``: fake tensors, a fake process group), without
+   checkpointing (W0) and with ``ckpt=auto``'s least plan (Wmin); the limits are
+   ``Wmin + f * (W0 - Wmin)``;
+2. for each limit rank 0 plans (``plan_for`` on the whole module, every whole
+   step on the twin), every rank installs that plan on a fresh copy sharded by
+   real FSDP over gloo, under the names FSDP gave the layers, and measures its real
+   whole step (MemTracker, the second of two steps); the row's measured peak is
+   the largest of the ranks';
+3. ``--batch``: at the middle limit, ``ckpt.batch=max``'s search on the twin
+   against real sharded steps at every batch size from 1 (each size's least plan,
+   every rank), up to the first that does not fit on some rank.
+
+The exit status is 1 where a row fails its check (a rank over the limit, a
+prediction off by more than ``fit_check.TOLERANCE``, a batch other than the
+exhaustive search's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
+from ckpt_plugin.apply.install import install_plan
+from ckpt_plugin.apply.plan import candidates, plan_for
+from ckpt_plugin.apply.twin import TwinSteps, make_twin, names_after_wrapping, renamed, twin_sample
+from ckpt_plugin.config.schema import make_config
+from ckpt_plugin.engine.plan import WrapPlan
+from ckpt_plugin.engine.side_effects import cache_warnings_silenced
+from ckpt_plugin.measure.whole_step import StepSplit, whole_step
+from ckpt_plugin.planning.plan_file import plan_from_dict, plan_to_dict
+from ckpt_tools.fit_check import (
+    FRACTIONS,
+    OPTIMIZERS,
+    QUICK,
+    SUBJECTS,
+    TOLERANCE,
+    ZOO,
+    Subject,
+    least_plan,
+    options_of,
+    parse_list,
+    subject,
+    tables,
+)
+from ckpt_tools.workloads import peak_growth
+
+__all__ = ["main", "rooted", "sharded", "through"]
+
+
+def through(root: nn.Module, inner: nn.Module, call: Callable[[], Any]) -> Any:
+    """``call()`` run inside ``root``'s forward, where ``inner`` (the module ``root`` wraps) would run: FSDP's root
+    gathers its parameters around it (what Lightning's ``_ForwardRedirection`` does for ``training_step``)."""
+    own = vars(inner).get("forward")  # an instance-level forward the module had, put back as it was
+
+    def put_back() -> None:
+        if own is not None:
+            inner.forward = own
+        else:
+            vars(inner).pop("forward", None)
+
+    def redirected(*args: Any, **kwargs: Any) -> Any:
+        put_back()  # the call runs the module's own forward
+        return call()
+
+    inner.forward = redirected
+    try:
+        return root()
+    finally:
+        put_back()
+
+
+def rooted(sample: Sample, root: nn.Module, inner: nn.Module) -> Sample:
+    """``sample`` (bound to ``inner``) with its call and step run through ``root``."""
+    step = sample.step
+    return replace(sample, run=lambda *a, **k: through(root, inner, lambda: sample.run(*a, **k)),
+                   step=None if step is None else (lambda batch: through(root, inner, lambda: step(batch))))
+
+
+def _policy(model: nn.Module, names: list[str]) -> Any:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return ModuleWrapPolicy({type(model.get_submodule(n)) for n in names})  # one unit per selected layer
+
+
+def _fsdp(model: nn.Module, group: Any, policy: Any) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy,
+                                    device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def sharded(subject: Subject, pristine: nn.Module, plan: WrapPlan, optimizer: str, policy: Any,
+            batch: int | None = None) -> StepSplit:
+    """This rank's real whole step: a copy of ``pristine`` sharded by FSDP over the default group, ``plan``
+    installed under the names FSDP gave its layers, a fresh optimizer, at ``batch`` rows (None: the sample's)."""
+    model = copy.deepcopy(pristine)
+    before = dict(model.named_modules())
+    root = _fsdp(model, None, policy)
+    sample = rooted(subject.sample(model), root, model)
+    with cache_warnings_silenced():
+        install_plan(model, renamed(plan, names_after_wrapping(before, model)))
+        opt = OPTIMIZERS[optimizer](root.parameters())
+        return whole_step(model, sample.loss(batch), [opt], fake=False).holding((sample.held(batch),))
+
+
+def _shared(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _largest(value: int) -> int:
+    """The largest of the ranks' ``value``."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return max(every)
+
+
+def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], batch: bool
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """``fit_check.check_model`` under FSDP: on every rank, each rank's real step against rank 0's prediction."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pristine = subject.build()
+    model = copy.deepcopy(pristine)
+    names = candidates(model, make_config(mode="auto", layers=subject.layers, budget="min"))
+    policy = _policy(model, names)
+    sample = subject.sample(model)
+    steps = one = None
+    if rank == 0:  # the twin: rank 0's shards, as FSDP will cut them
+        twin = make_twin(model, lambda m, group: _fsdp(m, group, policy),
+                         lambda m: [OPTIMIZERS[optimizer](m.parameters())], rank=0, world_size=world)
+        inner = rooted(subject.sample(twin.module), twin.wrapped, twin.module)
+        steps = TwinSteps(twin, twin_sample(twin, inner, inner.run, inner.step))
+        without, least = steps.of(WrapPlan()), steps.of(least_plan(model, names, sample.forward()))
+        one = {"model": subject.name, "optimizer": optimizer, "sample_batch": sample.size, "w0": without.peak,
+               "wmin": least.peak, "w0_split": str(without), "wmin_split": str(least), "world_size": world}
+    one = _shared(one)
+    limits = [one["wmin"] + round(f * (one["w0"] - one["wmin"])) for f in fractions]
+    rows = []
+    for fraction, limit in zip(fractions, limits, strict=True):
+        planned = data = None
+        seconds = 0.0
+        if rank == 0:
+            start = time.perf_counter()
+            planned = plan_for(model, make_config(mode="auto", layers=subject.layers, memory=f"{limit}B"),
+                               sample.forward(), steps=steps)
+            seconds = time.perf_counter() - start
+            data = {"plan": plan_to_dict(planned, model), "predicted": planned.fit.split.peak,
+                    "options": options_of(planned, names)}
+        data = _shared(data)
+        plan = plan_from_dict(data["plan"], pristine, "rank 0's plan")
+        measured = sharded(subject, pristine, plan, optimizer, policy).peak
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, measured)
+        predicted = data["predicted"]
+        rows.append({"model": subject.name, "optimizer": optimizer, "fraction": fraction, "limit": limit,
+                     "plan": data["options"], "predicted": predicted, "measured": max(every), "ranks": every,
+                     "fits": max(every) <= limit, "ratio": predicted / max(every),
+                     "within": all(abs(predicted / m - 1) <= TOLERANCE for m in every), "planning_s": seconds})
+    found = check_batch(subject, pristine, optimizer, names, policy, limits[len(limits) // 2], steps, sample) \
+        if batch else None
+    return one, rows, found
+
+
+def check_batch(subject: Subject, pristine: nn.Module, optimizer: str, names: list[str], policy: Any, limit: int,
+                steps: TwinSteps | None, sample: Sample) -> dict[str, Any]:
+    """``ckpt.batch=max``'s search on rank 0's twin, then real sharded steps at every size on every rank."""
+    model = copy.deepcopy(pristine)
+    chosen = None
+    seconds, grown, tried = 0.0, 0, {}
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        fit, grown = peak_growth(lambda: largest_batch(model, names, sample, limit, [], bound=MOST, steps=steps))
+        seconds, chosen, tried = time.perf_counter() - start, fit.batch, fit.tried
+    chosen = _shared(chosen)
+    bound, largest, real = 2 * chosen + 2, 0, {}
+    start = time.perf_counter()
+    for b in range(1, bound + 1):
+        plan = _shared(plan_to_dict(least_plan(model, names, sample.forward(b)), model)
+                       if dist.get_rank() == 0 else None)
+        real[b] = _largest(sharded(subject, pristine, plan_from_dict(plan, pristine), optimizer, policy, b).peak)
+        if real[b] > limit:
+            break
+        largest = b
+    return {"model": subject.name, "optimizer": optimizer, "limit": limit, "sample_batch": sample.size,
+            "chosen": chosen, "exhaustive": largest, "equal": chosen == largest, "search_s": seconds,
+            "rss_growth": grown, "tried": tried, "real": real, "exhaustive_s": time.perf_counter() - start,
+            "bounded": largest == bound}
+
+
+def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    steps, rows, batches = [], [], []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # HF's config notes, FSDP's fake-tensor data_ptr note: known here
+            for name in args["models"]:
+                s = subject(name, args["quick"])
+                for optimizer in args["optimizers"]:
+                    t0 = time.perf_counter()
+                    one, limits, found = check_sharded(s, optimizer, args["fractions"], args["batch"])
+                    steps.append(one)
+                    rows += limits
+                    batches += [found] if found else []
+                    if rank == 0:
+                        print(f"fit_fsdp: {name} {optimizer}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                              flush=True)
+        if rank == 0:
+            Path(out).write_text(json.dumps({"steps": steps, "limits": rows, "batch": batches}, default=str))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ckpt_tools.fit_fsdp", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated: {', '.join(SUBJECTS)} or zoo names (default: those and "
+                        f"{', '.join(ZOO)}; --quick: {', '.join(QUICK)})")
+    parser.add_argument("--optimizers", default=None,
+                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (default: both; --quick: adamw)")
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                        help="the limits, as fractions of the way from Wmin to W0 (each in [0, 1])")
+    parser.add_argument("--batch", action="store_true", help="also ckpt.batch=max against the exhaustive search")
+    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} at smaller sizes, adamw only")
+    parser.add_argument("--world", type=int, default=2, help="gloo processes (ranks); default 2")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    models = [m.strip() for m in (args.models or ",".join(QUICK if args.quick else (*SUBJECTS, *ZOO))).split(",")
+              if m.strip()]
+    optimizers = parse_list(args.optimizers or ("adamw" if args.quick else ",".join(OPTIMIZERS)), list(OPTIMIZERS),
+                            "--optimizers", parser)
+    try:
+        fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
+    except ValueError:
+        fractions = []
+    if not fractions or any(not 0 <= f <= 1 for f in fractions):
+        parser.error(f"--fractions={args.fractions!r}: comma-separated numbers in [0, 1], e.g. 0.1,0.5,0.9")
+    if args.world < 2:
+        parser.error(f"--world={args.world}: at least 2 ranks (one rank shards nothing; fit_check covers it)")
+    try:
+        for m in models:
+            subject(m, args.quick)  # an unknown name is the parser's error, before any process starts
+    except ValueError as err:
+        parser.error(str(err))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fsdp.json"
+        settings = {"models": models, "optimizers": optimizers, "fractions": fractions, "batch": args.batch,
+                    "quick": args.quick}
+        mp.spawn(_rank, args=(args.world, _free_port(), settings, str(out)), nprocs=args.world)
+        result = json.loads(out.read_text())
+    total = time.perf_counter() - started
+    print(f"FSDP (v1, FULL_SHARD), {args.world} gloo ranks; measured: the largest rank's real step\n")
+    print(tables(result["steps"], result["limits"], result["batch"]))
+    print(f"\n{len(result['limits'])} limits, {len(result['batch'])} batch searches, {total:.0f} s")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**result, "seconds": total, "world_size": args.world}, indent=2,
+                                       default=str) + "\n")
+    failed = [r for r in result["limits"] if not (r["fits"] and r["within"])] + \
+        [b for b in result["batch"] if not b["equal"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
