@@ -57,7 +57,8 @@ from ckpt_plugin.measure.whole_step import StepSplit, whole_step
 from ckpt_plugin.units import format_bytes, parse_size
 from ckpt_tools.workloads import peak_growth
 
-__all__ = ["FRACTIONS", "OPTIMIZERS", "SUBJECTS", "TOLERANCE", "Subject", "choose_fit", "least_plan", "limit_of",
+__all__ = ["FRACTIONS", "OPTIMIZERS", "SUBJECTS", "TOLERANCE", "Subject", "add_arguments", "choose_fit", "chosen",
+           "least_plan", "limit_of",
            "main", "optimizer_of", "options_of", "real_step"]
 
 FRACTIONS = (0.1, 0.5, 0.9)  # of the way from the least whole step to the one without checkpointing
@@ -355,8 +356,8 @@ def parse_list(value: str, valid: Sequence[str], flag: str, parser: argparse.Arg
     return list(dict.fromkeys(items))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_tools.fit_check", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags fit_check and fit_fsdp share: which models, optimizers, limits, the batch search, --quick, --out."""
     parser.add_argument("--models", default=None,
                         help=f"comma-separated: {', '.join(SUBJECTS)} or zoo names (default: those and "
                         f"{', '.join(ZOO)}; --quick: {', '.join(QUICK)})")
@@ -372,23 +373,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+def build_parser() -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(prog="python -m ckpt_tools.fit_check",
+                                                 description=__doc__.split("\n")[0]))
+
+
+def chosen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[Subject], list[str], list[float]]:
+    """The subjects, optimizers and fractions the flags of :func:`add_arguments` name; the parser's error else."""
     models = [m.strip() for m in (args.models or ",".join(QUICK if args.quick else (*SUBJECTS, *ZOO))).split(",")
               if m.strip()]
     optimizers = parse_list(args.optimizers or ("adamw" if args.quick else ",".join(OPTIMIZERS)), list(OPTIMIZERS),
-                       "--optimizers", parser)
+                            "--optimizers", parser)
     try:
         fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
     except ValueError:
-        parser.error(f"--fractions={args.fractions!r}: comma-separated numbers in [0, 1], e.g. 0.1,0.5,0.9")
+        fractions = []
     if not fractions or any(not 0 <= f <= 1 for f in fractions):
         parser.error(f"--fractions={args.fractions!r}: comma-separated numbers in [0, 1], e.g. 0.1,0.5,0.9")
     try:
         subjects = [subject(m, args.quick) for m in models]
     except ValueError as err:
         parser.error(str(err))
+    return subjects, optimizers, fractions
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    subjects, optimizers, fractions = chosen(args, parser)
     started = time.perf_counter()
     steps, rows, batches = [], [], []
     with warnings.catch_warnings():

@@ -56,16 +56,13 @@ from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.measure.whole_step import StepSplit, whole_step
 from ckpt_plugin.planning.plan_file import plan_from_dict, plan_to_dict
 from ckpt_tools.fit_check import (
-    FRACTIONS,
     OPTIMIZERS,
-    QUICK,
-    SUBJECTS,
     TOLERANCE,
-    ZOO,
     Subject,
+    add_arguments,
+    chosen,
     least_plan,
     options_of,
-    parse_list,
     subject,
     tables,
 )
@@ -248,41 +245,19 @@ def _free_port() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_tools.fit_fsdp", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=None,
-                        help=f"comma-separated: {', '.join(SUBJECTS)} or zoo names (default: those and "
-                        f"{', '.join(ZOO)}; --quick: {', '.join(QUICK)})")
-    parser.add_argument("--optimizers", default=None,
-                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (default: both; --quick: adamw)")
-    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
-                        help="the limits, as fractions of the way from Wmin to W0 (each in [0, 1])")
-    parser.add_argument("--batch", action="store_true", help="also ckpt.batch=max against the exhaustive search")
-    parser.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} at smaller sizes, adamw only")
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m ckpt_tools.fit_fsdp",
+                                                   description=__doc__.split("\n")[0]))
     parser.add_argument("--world", type=int, default=2, help="gloo processes (ranks); default 2")
-    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    models = [m.strip() for m in (args.models or ",".join(QUICK if args.quick else (*SUBJECTS, *ZOO))).split(",")
-              if m.strip()]
-    optimizers = parse_list(args.optimizers or ("adamw" if args.quick else ",".join(OPTIMIZERS)), list(OPTIMIZERS),
-                            "--optimizers", parser)
-    try:
-        fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
-    except ValueError:
-        fractions = []
-    if not fractions or any(not 0 <= f <= 1 for f in fractions):
-        parser.error(f"--fractions={args.fractions!r}: comma-separated numbers in [0, 1], e.g. 0.1,0.5,0.9")
     if args.world < 2:
         parser.error(f"--world={args.world}: at least 2 ranks (one rank shards nothing; fit_check covers it)")
-    try:
-        for m in models:
-            subject(m, args.quick)  # an unknown name is the parser's error, before any process starts
-    except ValueError as err:
-        parser.error(str(err))
+    subjects, optimizers, fractions = chosen(args, parser)  # an unknown name: the parser's error, before any rank
+    models = [s.name for s in subjects]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fsdp.json"
