@@ -120,3 +120,41 @@ def test_a_plan_is_renamed_module_by_module_op_groups_included() -> None:
     assert got.names == ["blocks.0._fsdp_wrapped_module", "blocks.1._fsdp_wrapped_module.attn",
                          "blocks.1._fsdp_wrapped_module.attn.part.0"]
     assert got.regroup == ("blocks.1._fsdp_wrapped_module.attn",)
+
+
+def _one_rank_fit(model, callback, tmp_path) -> None:
+    import lightning.pytorch as pl
+    from cpu_strategies import CPUFSDPStrategy
+
+    from ckpt_examples.data import TextData
+    from ckpt_examples.gpt import TransformerBlock
+
+    trainer = pl.Trainer(max_steps=2, callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         strategy=CPUFSDPStrategy(auto_wrap_policy={TransformerBlock}), default_root_dir=tmp_path)
+    try:
+        trainer.fit(model, TextData(block_size=16, batch_size=2, num_samples=64))
+    finally:  # the one-rank group this process made: no other test in this worker inherits it
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_layers_built_in_configure_model_cannot_be_planned_before_sharding_and_the_error_says_so(tmp_path) -> None:
+    from ckpt_examples.gpt import GPT
+    from ckpt_plugin import ActivationCheckpointing
+    from ckpt_plugin.errors import ConfigError
+
+    class Deferred(GPT):
+        def __init__(self) -> None:
+            super().__init__(n_layer=2, n_embd=32, n_head=2, block_size=16, batch_size=2, dropout=0.0,
+                             defer_init=True)
+
+    callback = ActivationCheckpointing(mode="auto", layers="TransformerBlock", memory="64MiB")
+    with pytest.raises(ConfigError) as raised:
+        _one_rank_fit(Deferred(), callback, tmp_path)
+    [*_, said] = raised.value.problems
+    assert said.key == "ckpt.memory"
+    assert said.problem == ("under CPUFSDPStrategy ckpt.memory plans in the callback's setup, while the module is "
+                            "whole, before Deferred.configure_model (or setup) builds layers")
+    assert said.fix == ("build the layers in __init__, or plan on one process (ckpt.memory writes ckpt_plan.json) "
+                        "and give the file with ckpt.plan=<file>")
