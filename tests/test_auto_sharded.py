@@ -6,8 +6,9 @@ are flat shards); FSDP2: a plan was made and installed, then the first step trai
 all-gathered parameters the profile left behind (DataDependentOutputException at logging); ZeRO-1, 2
 and 3: "Cannot copy out of meta tensor" in the first real backward (DeepSpeed's gradient hooks took the
 profile's fake gradients). The wrap report's fake forward broke FSDP, FSDP2 and ZeRO-3 the same way,
-for ckpt=full too, wherever the module has an example_input_array. Now planning there is a ConfigError
-in setup on every rank, and a plan made under DDP installs with ckpt.plan, with the step's gradients
+for ckpt=full too, wherever the module has an example_input_array. Now planning under FSDP2 and
+DeepSpeed is a ConfigError in setup on every rank; under FSDPStrategy rank 0 plans in setup, before the
+strategy shards the module. A plan made under DDP installs with ckpt.plan, with the step's gradients
 bitwise those of the same strategy without checkpointing. ~20 s on 2 cores (DeepSpeed's import ~4 s).
 """
 
@@ -57,11 +58,25 @@ def ranks(out: Path, run: str) -> list[dict]:
     return [json.loads((out / run / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("run, strategy", [("fsdp_auto", "CPUFSDPStrategy"),
-                                           ("zero3_auto", "CPUDeepSpeedStrategy (ZeRO stage 3)")])
-def test_planning_under_a_sharded_strategy_is_the_same_config_error_on_every_rank(out: Path, run: str,
-                                                                                   strategy: str) -> None:
-    assert [r["error"] for r in ranks(out, run)] == [["ConfigError", REFUSED.format(strategy)]] * 2
+def test_planning_under_deepspeed_is_the_same_config_error_on_every_rank(out: Path) -> None:
+    refused = REFUSED.format("CPUDeepSpeedStrategy (ZeRO stage 3)")
+    assert [r["error"] for r in ranks(out, "zero3_auto")] == [["ConfigError", refused]] * 2
+
+
+def test_under_fsdp_rank_zero_plans_before_sharding_and_every_rank_installs_it_bitwise(out: Path) -> None:
+    """FSDPStrategy: ckpt=auto plans in setup, on the whole module, and installs at fit start on the modules FSDP
+    wrapped; the step's gradients are those without checkpointing, bit for bit (SGD: equal parameters)."""
+    planned = ranks(out, "fsdp_auto")
+    for rank in planned:
+        assert "error" not in rank, rank
+        assert rank["wrapped"] and rank["wrapped"] == planned[0]["wrapped"]
+        assert rank["choices"] == planned[0]["choices"] and rank["installed"] == planned[0]["installed"]
+    assert Path(planned[0]["plan_path"]) == out / "fsdp_auto" / "ckpt_plan.json"
+    for r in range(2):
+        with_plan = torch.load(out / "fsdp_auto" / f"rank{r}.pt", weights_only=True)
+        without = torch.load(out / "fsdp_none" / f"rank{r}.pt", weights_only=True)
+        assert with_plan.keys() == without.keys() and with_plan
+        assert all(torch.equal(with_plan[n], p) for n, p in without.items())
 
 
 def test_a_whole_step_under_deepspeed_is_refused_on_every_rank_naming_ckpt_memory(out: Path) -> None:

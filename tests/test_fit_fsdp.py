@@ -154,7 +154,7 @@ def test_layers_built_in_configure_model_cannot_be_planned_before_sharding_and_t
         _one_rank_fit(Deferred(), callback, tmp_path)
     [*_, said] = raised.value.problems
     assert said.key == "ckpt.memory"
-    assert said.problem == ("under CPUFSDPStrategy ckpt.memory plans in the callback's setup, while the module is "
+    assert said.problem == ("under CPUFSDPStrategy ckpt=auto plans in the callback's setup, while the module is "
                             "whole, before Deferred.configure_model (or setup) builds layers")
-    assert said.fix == ("build the layers in __init__, or plan on one process (ckpt.memory writes ckpt_plan.json) "
-                        "and give the file with ckpt.plan=<file>")
+    assert said.fix == ("build the layers in __init__, or plan on one process (a ckpt=auto run writes "
+                        "ckpt_plan.json) and give the file with ckpt.plan=<file>")

@@ -219,9 +219,9 @@ class ActivationCheckpointing(pl.Callback):
             raise refused
         if isinstance(self.config, AutoConfig) and self.config.batch == "max" and self.config.plan is None:
             check_settable(pl_module)  # before anything is planned: where the batch size would be written
-        # ckpt.memory under FSDP plans here, while the module is whole (lightning/fsdp.py).
+        # ckpt=auto under FSDP plans here, while the module is whole (ckpt.memory: lightning/fsdp.py's twin).
         before_sharding = (isinstance(self.config, AutoConfig) and self.config.plan is None
-                           and self.config.read_memory is not None and is_fsdp(trainer.strategy))
+                           and is_fsdp(trainer.strategy))
         try:
             _check_on(pl_module, self.config)
         except ConfigError as err:
@@ -230,11 +230,12 @@ class ActivationCheckpointing(pl.Callback):
             built_later = any(is_overridden(hook, pl_module)
                               for hook in ("configure_model", "configure_sharded_model", "setup"))
             if built_later and before_sharding:
+                key = "ckpt.memory" if self.config.read_memory is not None else "ckpt.mode"
                 raise ConfigError([*err.problems, Problem(
-                    "ckpt.memory",
-                    f"under {type(trainer.strategy).__name__} ckpt.memory plans in the callback's setup, while the "
+                    key,
+                    f"under {type(trainer.strategy).__name__} ckpt=auto plans in the callback's setup, while the "
                     f"module is whole, before {type(pl_module).__name__}.configure_model (or setup) builds layers",
-                    "build the layers in __init__, or plan on one process (ckpt.memory writes ckpt_plan.json) "
+                    "build the layers in __init__, or plan on one process (a ckpt=auto run writes ckpt_plan.json) "
                     "and give the file with ckpt.plan=<file>")]) from err
             if built_later:
                 return
@@ -243,8 +244,8 @@ class ActivationCheckpointing(pl.Callback):
             self._plan_before_sharding(trainer, pl_module)
 
     def _plan_before_sharding(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """ckpt.memory under FSDP: rank 0 plans on the whole module, every whole step on the fake twin the strategy
-        shards (``fsdp.py``); every rank gets the plan (installed at fit start) and sets the batch."""
+        """ckpt=auto under FSDP: rank 0 plans on the whole module (ckpt.memory: every whole step on the fake twin the
+        strategy shards, ``fsdp.py``); every rank gets the plan (installed at fit start) and sets the batch."""
         forward = self._example_forward(trainer, pl_module, from_batch=True)
         if forward is None:
             raise _no_sample(pl_module)

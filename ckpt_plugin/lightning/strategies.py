@@ -118,15 +118,16 @@ def sharded_parameters(strategy: Any) -> str | None:
 
 
 def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
-    """The error for ckpt=auto planning under FSDP, FSDP2 or DeepSpeed (every stage), else None.
+    """The error for ckpt=auto planning under FSDP2 or DeepSpeed (every stage), else None.
 
     The profile runs the LightningModule's forward and backward on fake tensors and times layers on real
-    ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): under
-    FSDP the root unit's parameters stay flat 1-D shards; FSDP2 keeps the fake all-gathered parameters
-    and runs the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) take the fake
-    gradients and fail in the first real backward. A given plan (ckpt.plan) runs no profile: allowed.
+    ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): at fit
+    start FSDP's root unit's parameters were flat 1-D shards; FSDP2 kept the fake all-gathered parameters
+    and ran the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) took the fake
+    gradients and failed in the first real backward. Under FSDPStrategy the plan is made in ``setup``,
+    before the strategy shards anything (``callback.py``). A given plan (ckpt.plan) runs no profile: allowed.
     """
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
     if not isinstance(config, AutoConfig) or config.plan is not None:
         return None
@@ -135,11 +136,9 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
         name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
     if name is None:
         return None
+    if isinstance(strategy, FSDPStrategy):  # planned in setup, on the whole module (callback.py; fsdp.py's twin)
+        return None
     if config.read_memory is not None:
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        if isinstance(strategy, FSDPStrategy):  # planned in setup, the whole step on a sharded fake twin (fsdp.py)
-            return None
         return ConfigError([Problem(
             "ckpt.memory",
             f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step on one "
