@@ -36,14 +36,18 @@ collective. With SyncBatchNorm (its forward all-gathers statistics) every rank
 profiles in lockstep and installs rank 0's plan. Rank 0 writes the plan it
 installed to ``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
 
-Under FSDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed, ``ckpt=auto`` does
+Under ``FSDPStrategy`` ``ckpt=auto`` plans in ``setup``, before the strategy
+shards the module (at ``on_fit_start`` its root parameters were 1-D shards:
+"'weight' must be 2-D"): rank 0 profiles the whole module, with ``ckpt.memory``
+every whole step on a fake twin the strategy shards (``fsdp.py``), and every
+rank installs the plan at fit start under the names FSDP gave the same modules.
+Under FSDP2 (``ModelParallelStrategy``) and DeepSpeed, ``ckpt=auto`` does
 not plan: it is a ConfigError in ``setup`` (``strategies.planning_refused``), before
 the strategy builds anything. The profile runs the LightningModule's forward
 and backward outside the strategy, on fake tensors: run with 2 gloo processes
-on CPU, FSDP's root parameters were 1-D shards ("'weight' must be 2-D"), FSDP2
-kept fake all-gathered parameters and trained the next step on them, and
-DeepSpeed's gradient hooks took fake gradients ("Cannot copy out of meta
-tensor"; ZeRO-1, 2 and 3). A plan made on one process or under DDP
+on CPU, FSDP2 kept fake all-gathered parameters and trained the next step on
+them, and DeepSpeed's gradient hooks took fake gradients ("Cannot copy out of
+meta tensor"; ZeRO-1, 2 and 3). A plan made on one process or under DDP
 (``ckpt_plan.json``) installs there with ``ckpt.plan=``. The wrap report's
 fake forward is skipped where parameters are sharded (FSDP, FSDP2, ZeRO-3) for
 the same reason (``strategies.sharded_parameters``).
