@@ -5,7 +5,7 @@ tests/test_fit_fsdp.py.
 
 Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD; or, with ``"model": "resnet"``, the
 example ResNet, a unit per Bottleneck) for three steps with ``ckpt=auto``,
-``ckpt.memory`` and, where the run says so, ``ckpt.batch=max``. Rank 0 plans in setup, on the whole module, each
+``ckpt.memory`` and, where the run says so, ``ckpt.batch=max`` and a ``precision``. Rank 0 plans in setup, on the whole module, each
 whole step on a fake twin the strategy shards; every rank installs the plan and measures its own whole step at
 the second batch. Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the batch, the whole step
 predicted and measured (MemTracker, every category), or the error it raised. The runs share the two processes.
@@ -60,6 +60,7 @@ def fit(out: Path, run: dict[str, Any]) -> None:
     sizes = Sizes()
     trainer = pl.Trainer(max_steps=3, callbacks=[callback, sizes], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
+                         precision=run.get("precision", "32-true"),
                          strategy=CPUFSDPStrategy(auto_wrap_policy={layer}), default_root_dir=out)
     where = out / run["name"]
     where.mkdir(parents=True, exist_ok=True)
