@@ -156,9 +156,10 @@ def subject(name: str, quick: bool = False) -> Subject:
     return _zoo(entry)
 
 
-def least_plan(model: nn.Module, names: list[str], forward: Callable[[], Any]) -> WrapPlan:
-    """``ckpt=auto``'s least plan at ``forward``'s batch (every strategy, memory only), as ckpt.batch=max plans it."""
-    chosen = least_of(strategies(Measuring(model, names, forward, {}, True, timed=False), eager=True))
+def least_plan(model: nn.Module, names: list[str], forward: Callable[[], Any], chains: bool = True) -> WrapPlan:
+    """``ckpt=auto``'s least plan at ``forward``'s batch (every strategy, memory only), as ckpt.batch=max plans it;
+    ``chains``: ``Measuring.chains`` (False: per-layer plans only, as under FSDP with a unit per layer)."""
+    chosen = least_of(strategies(Measuring(model, names, forward, {}, True, timed=False, chains=chains), eager=True))
     return chosen.strategy.installed(chosen.plan)
 
 

@@ -151,12 +151,14 @@ def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], 
     policy = _policy(model, names)
     sample = subject.sample(model)
     steps = one = None
+    chains = True
     if rank == 0:  # the twin: rank 0's shards, as FSDP will cut them
         twin = make_twin(model, lambda m, group: _fsdp(m, group, policy),
                          lambda m: [OPTIMIZERS[optimizer](m.parameters())], rank=0, world_size=world)
+        chains = twin.unmoved(names)  # False: a unit per layer, no region over several (Measuring.chains)
         inner = rooted(subject.sample(twin.module), twin.wrapped, twin.module)
         steps = TwinSteps(twin, twin_sample(twin, inner, inner.run, inner.step))
-        without, least = steps.of(WrapPlan()), steps.of(least_plan(model, names, sample.forward()))
+        without, least = steps.of(WrapPlan()), steps.of(least_plan(model, names, sample.forward(), chains))
         one = {"model": subject.name, "optimizer": optimizer, "sample_batch": sample.size, "w0": without.peak,
                "wmin": least.peak, "w0_split": str(without), "wmin_split": str(least), "world_size": world}
     one = _shared(one)
@@ -168,7 +170,7 @@ def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], 
         if rank == 0:
             start = time.perf_counter()
             planned = plan_for(model, make_config(mode="auto", layers=subject.layers, memory=f"{limit}B"),
-                               sample.forward(), steps=steps)
+                               sample.forward(), steps=steps, chains=chains)
             seconds = time.perf_counter() - start
             data = {"plan": plan_to_dict(planned, model), "predicted": planned.fit.split.peak,
                     "options": options_of(planned, names)}
@@ -182,26 +184,27 @@ def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], 
                      "plan": data["options"], "predicted": predicted, "measured": max(every), "ranks": every,
                      "fits": max(every) <= limit, "ratio": predicted / max(every),
                      "within": all(abs(predicted / m - 1) <= TOLERANCE for m in every), "planning_s": seconds})
-    found = check_batch(subject, pristine, optimizer, names, policy, limits[len(limits) // 2], steps, sample) \
-        if batch else None
+    found = check_batch(subject, pristine, optimizer, names, policy, limits[len(limits) // 2], steps, sample,
+                        _shared(chains)) if batch else None
     return one, rows, found
 
 
 def check_batch(subject: Subject, pristine: nn.Module, optimizer: str, names: list[str], policy: Any, limit: int,
-                steps: TwinSteps | None, sample: Sample) -> dict[str, Any]:
+                steps: TwinSteps | None, sample: Sample, chains: bool) -> dict[str, Any]:
     """``ckpt.batch=max``'s search on rank 0's twin, then real sharded steps at every size on every rank."""
     model = copy.deepcopy(pristine)
     chosen = None
     seconds, grown, tried = 0.0, 0, {}
     if dist.get_rank() == 0:
         start = time.perf_counter()
-        fit, grown = peak_growth(lambda: largest_batch(model, names, sample, limit, [], bound=MOST, steps=steps))
+        fit, grown = peak_growth(lambda: largest_batch(model, names, sample, limit, [], bound=MOST, steps=steps,
+                                                       chains=chains))
         seconds, chosen, tried = time.perf_counter() - start, fit.batch, fit.tried
     chosen = _shared(chosen)
     bound, largest, real = 2 * chosen + 2, 0, {}
     start = time.perf_counter()
     for b in range(1, bound + 1):
-        plan = _shared(plan_to_dict(least_plan(model, names, sample.forward(b)), model)
+        plan = _shared(plan_to_dict(least_plan(model, names, sample.forward(b), chains), model)
                        if dist.get_rank() == 0 else None)
         real[b] = _largest(sharded(subject, pristine, plan_from_dict(plan, pristine), optimizer, policy, b).peak)
         if real[b] > limit:

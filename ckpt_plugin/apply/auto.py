@@ -47,7 +47,7 @@ def given_plan(model: nn.Module, config: AutoConfig) -> WrapPlan:
 def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: list[str], forward: Callable[[], Any],
               note: str, optimizers: Sequence[torch.optim.Optimizer] = (),
               timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
-              held: Sequence[Held] = (), steps: WholeSteps | None = None) -> WrapPlan:
+              held: Sequence[Held] = (), steps: WholeSteps | None = None, chains: bool = True) -> WrapPlan:
     """``ckpt=auto``: the first of ``strategies.py``'s strategies whose plan fits ``ckpt.budget``, measured as the
     step will run (``ckpt.budget=min``: the lowest of them); the refusal of the one that reaches lowest where none
     fits, with what stands in the way (eager steps: ``diagnose.py``). ``ckpt.memory``: the fastest plan whose whole
@@ -56,12 +56,12 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     ``step``: what ``ckpt.memory``'s whole step runs to its loss (the callback: ``training_step``), ``forward``
     by default; ``held``: what the device holds beside the step (the batch, DDP's buckets); ``steps``: how the
     whole step is measured, where not on ``model`` with ``step``, ``optimizers`` and ``held`` (under FSDP: a
-    fake twin, sharded)."""
+    fake twin, sharded); ``chains``: False where regions over several layers cannot be (``strategies.Measuring``)."""
     budget = config.read_budget
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
     eager = not compiled and backend is None
-    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state, timing_forward)
+    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state, timing_forward, chains=chains)
     tried = strategies(measuring, eager)
     if config.read_memory is not None:
         limit = resolve_memory(config.read_memory, next(model.parameters()).device)

@@ -201,7 +201,8 @@ def _next_probe(seen: dict[int, int], low: int, high: int, limit: int) -> int:
 
 def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int,
                   optimizers: Sequence[torch.optim.Optimizer], *, bound: int = MOST, preserve_rng_state: bool = True,
-                  key: str = "ckpt.memory", held: Sequence[Held] = (), steps: WholeSteps | None = None) -> BatchFit:
+                  key: str = "ckpt.memory", held: Sequence[Held] = (), steps: WholeSteps | None = None,
+                  chains: bool = True) -> BatchFit:
     """The largest batch (at most ``bound``) whose least plan's whole step fits ``limit`` bytes.
 
     A ConfigError where not even one sample fits, naming the least memory needed and what takes it. The least
@@ -217,7 +218,8 @@ def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int
 
     def least(batch: int) -> StepSplit:
         if batch not in tried:
-            measuring = Measuring(model, names, sample.forward(batch), {}, preserve_rng_state, timed=False)
+            measuring = Measuring(model, names, sample.forward(batch), {}, preserve_rng_state, timed=False,
+                                  chains=chains)
             chosen = least_of(strategies(measuring, eager=True))
             tried[batch] = steps.of(chosen.strategy.installed(chosen.plan), batch)
         return tried[batch]

@@ -39,7 +39,7 @@ from ckpt_plugin.measure.whole_step import Held
 def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | None = None, *,
              optimizers: Sequence[torch.optim.Optimizer] = (),
              timing_forward: Callable[[], Any] | None = None, step: Callable[[], Any] | None = None,
-             held: Sequence[Held] = (), steps: WholeSteps | None = None) -> WrapPlan:
+             held: Sequence[Held] = (), steps: WholeSteps | None = None, chains: bool = True) -> WrapPlan:
     """The plan ``config`` asks for on ``model``; raises, naming the keys, when it cannot be honoured.
 
     ``forward()`` runs the model on a sample input, for ``ckpt=auto``'s
@@ -50,7 +50,8 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     ``timing_forward``: ``ckpt=auto``'s options are timed on it; ``step``: the training step to its loss, which
     ``ckpt.memory``'s whole step runs (``auto.auto_plan``; default ``forward``); ``held``: what the device holds
     beside the step (the batch, DDP's gradient buckets); ``steps``: how the whole step is measured, where not on
-    ``model`` itself (``memory.WholeSteps``: under FSDP, a fake twin as the strategy shards it).
+    ``model`` itself (``memory.WholeSteps``: under FSDP, a fake twin as the strategy shards it); ``chains``: False
+    where the layers will not run where they sit (each its own FSDP unit): no region over several of them.
     """
     given, model = model, user_module(model)
     if isinstance(config, NoneConfig):
@@ -63,7 +64,7 @@ def plan_for(model: nn.Module, config: CkptConfig, forward: Callable[[], Any] | 
     if isinstance(config, AutoConfig):
         forward = forward or sample_forward(model)
         return planned(model, forward, "ckpt.mode", lambda: auto_plan(
-            given, model, config, names, forward, note, optimizers, timing_forward, step, held, steps))
+            given, model, config, names, forward, note, optimizers, timing_forward, step, held, steps, chains))
     segments = getattr(config, "segments", None)
     if segments is None:
         backend = backend_of(config.compile)

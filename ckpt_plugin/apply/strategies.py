@@ -57,6 +57,9 @@ class Measuring:
     preserve_rng_state: bool
     timing_forward: Callable[[], Any] | None = None  # what the options are timed on (None: forward)
     timed: bool = True  # False: memory only (ckpt.batch=max's search for the least plan's peak)
+    # False where the layers run somewhere else than where they sit (each its own FSDP unit): a region over
+    # several would recompute units FSDP has resharded, so only per-layer plans are made (apply/twin.py).
+    chains: bool = True
     _cache: ProfileCache = field(default_factory=ProfileCache)
     _profiles: dict[int, Profile] = field(default_factory=dict)
 
@@ -119,6 +122,9 @@ class NestedRegions:
     def available(self) -> bool:
         if self._chain is None:
             m = self.measuring
+            if not m.chains:
+                self._chain = False
+                return False
             try:
                 check_plan(m.model, WrapPlan((Segments(tuple(m.names), 1, self.treatment),)))
                 self._chain = not chain_problems(m.model, m.names, m.forward)

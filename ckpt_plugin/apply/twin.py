@@ -58,6 +58,11 @@ class Twin:
     rank: int
     world_size: int
 
+    def unmoved(self, names: list[str]) -> bool:
+        """Whether the layers ``names`` sit where they sat once wrapped (no unit of their own between them and their
+        parent): only then can a region span several of them (``strategies.Measuring.chains``)."""
+        return all(self.names.get(n, n) == n for n in names)
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         with self.mode, fsdp_on_fake_tensors():

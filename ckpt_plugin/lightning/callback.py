@@ -69,7 +69,7 @@ from torch import nn
 from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.install import Installation, install_plan
-from ckpt_plugin.apply.plan import plan_for
+from ckpt_plugin.apply.plan import candidates, plan_for
 from ckpt_plugin.apply.twin import names_after_wrapping, renamed
 from ckpt_plugin.config.keys import args_section
 from ckpt_plugin.config.schema import (
@@ -355,11 +355,12 @@ class ActivationCheckpointing(pl.Callback):
                            "at a time) to plan for " + ("ckpt.memory..." if self.config.read_memory is not None
                                                         else "ckpt.budget..."))
             try:
+                twin = twin_of(trainer, pl_module) if before_sharding else None  # as FSDP will shard the module
                 if self.config.read_memory is not None:
-                    twin = twin_of(trainer, pl_module) if before_sharding else None
                     plan, batch = memory_plan(trainer, pl_module, self.config, forward, twin)
-                else:
-                    plan = plan_for(pl_module, self.config, forward)
+                else:  # a layer FSDP wraps in a unit of its own runs there: no region over several
+                    chains = twin is None or twin.unmoved(candidates(pl_module, self.config))
+                    plan = plan_for(pl_module, self.config, forward, chains=chains)
             except Exception as err:
                 if world == 1:
                     raise

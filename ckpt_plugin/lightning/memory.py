@@ -115,6 +115,7 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     optimizers = list(trainer.optimizers) if twin is None else twin.optimizers
     held = tuple(h for h in (strategy_held(trainer, pl_module),) if h is not None)
     steps = _twin_steps(trainer, twin, sample, held) if twin is not None and sample is not None else None
+    chains = twin is None or twin.unmoved(candidates(pl_module, config))  # each layer its own FSDP unit: no region
     said = [] if sample is None or sample.step is not None else [
         "  (the whole step measured runs the module's call and sums its output: "
         + ("its training_step steps the optimizers itself" if not pl_module.automatic_optimization else
@@ -122,15 +123,16 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     if config.batch != "max" or sample is None:
         plan = plan_for(pl_module, config, forward, optimizers=optimizers,
                         step=sample.loss() if sample is not None else None,
-                        held=held + ((sample.held(),) if sample is not None else ()), steps=steps)
+                        held=held + ((sample.held(),) if sample is not None else ()), steps=steps, chains=chains)
         return _said(plan, said), None
     names = candidates(pl_module, config)
     limit = resolve_memory(config.read_memory, pl_module.device)
     found = largest_batch(pl_module, names, sample, limit, optimizers, bound=_dataset_length(trainer, pl_module),
-                          preserve_rng_state=config.preserve_rng_state, held=held, steps=steps)
+                          preserve_rng_state=config.preserve_rng_state, held=held, steps=steps, chains=chains)
     at_batch = None if steps is None else _AtBatch(steps, found.batch)
     plan = plan_for(pl_module, config, sample.forward(found.batch), optimizers=optimizers, timing_forward=forward,
-                    step=sample.loss(found.batch), held=(*held, sample.held(found.batch)), steps=at_batch)
+                    step=sample.loss(found.batch), held=(*held, sample.held(found.batch)), steps=at_batch,
+                    chains=chains)
     return _said(plan, [*found.lines(limit), *said]), found.batch
 
 
