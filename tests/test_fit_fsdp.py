@@ -160,3 +160,23 @@ def test_layers_built_in_configure_model_cannot_be_planned_before_sharding_and_t
                             "whole, before Deferred.configure_model (or setup) builds layers")
     assert said.fix == ("build the layers in __init__, or plan on one process (a ckpt=auto run writes "
                         "ckpt_plan.json) and give the file with ckpt.plan=<file>")
+
+
+def test_layers_in_units_of_their_own_get_per_layer_plans_only() -> None:
+    """A region over several layers recomputes them together, when FSDP has resharded every unit but the last:
+    where each layer is its own unit (Twin.unmoved is False), nested regions are not a strategy."""
+    from ckpt_plugin.apply.strategies import Measuring, NestedRegions
+    from ckpt_plugin.apply.twin import Twin
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    names = [str(i) for i in range(4)]
+    x = torch.randn(2, 8)
+
+    def measuring(chains: bool) -> Measuring:
+        return Measuring(chain, names, lambda: chain(x), {}, True, timed=False, chains=chains)
+
+    assert NestedRegions(measuring(True)).available()
+    assert not NestedRegions(measuring(False)).available()
+    twin = Twin(chain, chain, [], None, {"0": "0._fsdp_wrapped_module", "1": "1"}, 0, 2)
+    assert not twin.unmoved(["0", "1"]) and twin.unmoved(["1", "2"])
