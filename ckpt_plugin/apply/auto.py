@@ -64,9 +64,9 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state, timing_forward, chains=chains)
     tried = strategies(measuring, eager)
     if config.read_memory is not None:
-        limit = resolve_memory(config.read_memory, next(model.parameters()).device)
-        least = least_plan(measuring, eager) if eager else None  # compiled: bytes as timed compiled
         steps = steps or ModuleSteps(model, lambda rows: step or forward, optimizers, lambda rows: held)
+        limit = resolve_memory(config.read_memory, steps.device or next(model.parameters()).device)
+        least = least_plan(measuring, eager) if eager else None  # compiled: bytes as timed compiled
         chosen, fit = fit_memory(tried, limit, steps.of, least=least)
         budget = Budget(bytes=fit.activation_budget)
         made = (_regions(chosen, config, budget, names, note, "") if isinstance(chosen.strategy, NestedRegions)

@@ -88,6 +88,11 @@ class WholeSteps(Protocol):
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit: ...
 
+    @property
+    def device(self) -> torch.device | None:
+        """The device the step runs on, which ``ckpt.memory=device`` (or a share) resolves against; None: where
+        the module's parameters are."""
+
 
 @dataclass(frozen=True)
 class ModuleSteps:
@@ -101,6 +106,10 @@ class ModuleSteps:
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
         return whole_of(self.model, plan, self.loss(rows), self.optimizers, self.held(rows))
+
+    @property
+    def device(self) -> torch.device | None:
+        return None
 
 
 def fit_memory(tried: list[Strategy], limit: int, whole: Callable[[WrapPlan], StepSplit],

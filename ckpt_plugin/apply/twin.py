@@ -57,6 +57,7 @@ class Twin:
     names: dict[str, str]  # a module's name in the LightningModule (before wrapping) -> in the twin (after)
     rank: int
     world_size: int
+    device: torch.device | None = None  # where the strategy runs the module (FSDP moves it there)
 
     def unmoved(self, names: list[str]) -> bool:
         """Whether the layers ``names`` sit where they sat once wrapped (no unit of their own between them and their
@@ -83,7 +84,7 @@ def make_twin(module: nn.Module, wrap: Callable[[nn.Module, Any], nn.Module],
         optimizers = list(optimizers_of(twin))
     after = {id(m): n for n, m in user_module(twin).named_modules()}
     names = {before[i]: after[id(copy)] for i, copy in copies.items() if i in before and id(copy) in after}
-    return Twin(twin, wrapped, optimizers, mode, names, rank, world_size)
+    return Twin(twin, wrapped, optimizers, mode, names, rank, world_size, device)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,10 @@ class TwinSteps:
     twin: Twin
     sample: Sample
     held: tuple[Held, ...] = ()
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.twin.device
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
         with self.twin.active():

@@ -126,7 +126,8 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
                         held=held + ((sample.held(),) if sample is not None else ()), steps=steps, chains=chains)
         return _said(plan, said), None
     names = candidates(pl_module, config)
-    limit = resolve_memory(config.read_memory, pl_module.device)
+    # Under FSDP the module is still on the CPU here; the step runs where the strategy puts it (the twin's device).
+    limit = resolve_memory(config.read_memory, (twin.device if twin is not None else None) or pl_module.device)
     found = largest_batch(pl_module, names, sample, limit, optimizers, bound=_dataset_length(trainer, pl_module),
                           preserve_rng_state=config.preserve_rng_state, held=held, steps=steps, chains=chains)
     at_batch = None if steps is None else _AtBatch(steps, found.batch)
@@ -160,6 +161,10 @@ class _AtBatch:
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
         return self.steps.of(plan, self.rows)
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.steps.device
 
 
 def strategy_held(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Held | None:
