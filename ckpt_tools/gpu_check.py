@@ -25,7 +25,9 @@ device, Lightning, Python); pinned host <-> device copy bandwidth; the tests tha
 without CUDA (found by :func:`cuda_tests`); ``ckpt-bench`` on the example GPT at a
 size that keeps a GPU busy (:data:`GPU_GPT`, bf16-mixed) for ``none``, ``full``,
 ``selective`` and ``offload``, then ``auto`` at 0.5 in a run of its own (planning on a
-new machine may be slow: it must not cost the others); last, with what is left of
+new machine may be slow: it must not cost the others); ``ckpt.memory`` with
+``ckpt.batch=max`` (``bench fit``) and under Lightning's FSDP on the one GPU
+(``fsdp fit``: :data:`FSDP_FIT`); last, with what is left of
 the deadline, a core subset of CPU tests (:data:`CORE_TESTS`) on that torch.
 Offload's overlap is read off the bench: its step time against ``none``'s and the
 bytes the forward leaves on the device, against the time the moved bytes take to
@@ -84,11 +86,16 @@ TABLE_MODES = (*BENCH_MODES, *AUTO_MODES)
 
 # Seconds per step, each also cut to what is left of --deadline (the whole check's limit).
 LIMITS = {"install": 60, "env": 60, "bandwidth": 60, "cuda tests": 120, "bench": 200, "bench auto": 150,
-          "bench fit": 150, "core tests": 150, "tests": 150}
+          "bench fit": 150, "fsdp fit": 120, "core tests": 150, "tests": 150}
 # ckpt.memory with ckpt.batch=max on the GPU (issue #34): halfway between the least whole step and none's, a GPT
 # a quarter of GPU_GPT's depth (the chosen batch runs without checkpointing too, for samples per second).
 FIT_GPT = "n_layer=4,n_embd=2048,n_head=16,block_size=1024,batch_size=8"
 FIT = "0.5"
+# ckpt.memory under Lightning's own FSDPStrategy on one GPU (tests/fit_fsdp_worker.py --cuda): the twin's CUDA path,
+# its prediction against MemTracker and the allocator. ~50 M parameters, 8 x 1024 tokens, bf16-mixed, AdamW; the
+# limit between the least whole step (~1.2 GB, estimated) and none's (~5 GB).
+FSDP_FIT = {"name": "fsdp", "optimizer": "adamw", "memory": "2.5GiB", "precision": "bf16-mixed", "data_batch": 8,
+            "gpt": {"n_layer": 4, "n_embd": 1024, "n_head": 16, "block_size": 1024}}
 MiB = 2**20
 
 _ENV = r"""
@@ -402,6 +409,22 @@ def summary(results: dict[str, Any]) -> str:
                   f"| {'yes' if (fit.get('cuda_allocated') or 0) <= fit['limit'] else 'NO'} |", "",
                   "The allocator's overhead is max_memory_allocated against MemTracker's total, and what it reserved "
                   "against what it allocated."]
+    lines += ["", "## Under FSDP (Lightning's FSDPStrategy, one GPU)", ""]
+    fsdp = results.get("fsdp_fit")
+    if not fsdp:
+        lines.append("Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run.")
+    elif fsdp.get("error"):
+        lines.append(f"Failed: {_cell(': '.join(fsdp['error']))}")
+    else:
+        cuda_peak = fsdp.get("cuda_peak")
+        lines += [f"`tests/fit_fsdp_worker.py --cuda`: GPT({FSDP_FIT['gpt']}), batch {FSDP_FIT['data_batch']}, "
+                  f"{FSDP_FIT['precision']}, AdamW, ckpt.memory={FSDP_FIT['memory']}; the whole step predicted on the "
+                  "fake twin the strategy shards, measured at the second batch.", "",
+                  "| limit (MiB) | wrapped | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
+                  "| allocated <= limit |", "|---:|---:|---:|---:|---:|---|",
+                  f"| {_mib(fsdp.get('limit'))} | {len(fsdp['wrapped'])} | {_mib(fsdp['predicted'])} "
+                  f"| {_mib(fsdp['measured'])} | {_mib(cuda_peak)} "
+                  f"| {'yes' if cuda_peak is not None and cuda_peak <= (fsdp.get('limit') or 0) else 'NO'} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -482,6 +505,12 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
                 fit = (written.get("fit") or {}).get("gpt")
                 continue
             rows |= {m: r for m, r in written.get("gpt", {}).items() if m in modes}
+    fsdp = None
+    if not args.dry_run and envinfo and envinfo.get("cuda available"):
+        run.run("fsdp fit", [sys.executable, str(ROOT / "tests" / "fit_fsdp_worker.py"), str(work / "fsdp"),
+                             json.dumps([FSDP_FIT]), "--cuda"], "bench.log")
+        written = work / "fsdp" / FSDP_FIT["name"] / "rank0.json"
+        fsdp = json.loads(written.read_text()) if written.is_file() else None
     for name, ids, workers in test_groups[1:]:
         ran += _tests(run, name, ids, workers)
     cuda = [r for r in ran if r["id"] in set(cuda_ids)]
@@ -505,6 +534,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "bandwidth": bandwidth,
         "offload": offload_overlap(rows, bandwidth),
         "fit": fit,
+        "fsdp_fit": fsdp,
     }
     results["seconds"] = time.monotonic() - t0
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")

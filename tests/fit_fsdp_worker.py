@@ -44,24 +44,28 @@ class Sizes(pl.Callback):
         self.seen.append(batch[0].shape[0])
 
 
-def fit(out: Path, run: dict[str, Any]) -> None:
+def fit(out: Path, run: dict[str, Any], cuda: bool = False) -> None:
     from cpu_strategies import CPUFSDPStrategy
+    from lightning.pytorch.strategies import FSDPStrategy
 
     torch.manual_seed(0)
     if run.get("model") == "resnet":  # SGD with momentum, BatchNorm's buffers; a unit per Bottleneck
         model, layer = ResNet(channels=16, depths=(1, 1), image_size=16, batch_size=8, dropout=0.0), Bottleneck
         data = ImageData(image_size=16, batch_size=8, num_samples=256)
     else:
-        model = (SGDGPT if run["optimizer"] == "sgd" else GPT)(**SIZE, batch_size=run.get("data_batch", 4))
-        data, layer = TextData(block_size=SIZE["block_size"], batch_size=run.get("data_batch", 4),
+        size = {**SIZE, **run.get("gpt", {})}
+        model = (SGDGPT if run["optimizer"] == "sgd" else GPT)(**size, batch_size=run.get("data_batch", 4))
+        data, layer = TextData(block_size=size["block_size"], batch_size=run.get("data_batch", 4),
                                num_samples=512), TransformerBlock
     callback = ActivationCheckpointing(mode="auto", layers=layer.__name__, memory=run["memory"],
                                        batch=run.get("batch"))
     sizes = Sizes()
+    # --cuda (the GPU check): Lightning's own FSDPStrategy on one GPU; else two gloo ranks on the CPU.
+    strategy = FSDPStrategy(auto_wrap_policy={layer}) if cuda else CPUFSDPStrategy(auto_wrap_policy={layer})
     trainer = pl.Trainer(max_steps=3, callbacks=[callback, sizes], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
-                         precision=run.get("precision", "32-true"),
-                         strategy=CPUFSDPStrategy(auto_wrap_policy={layer}), default_root_dir=out)
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cuda" if cuda else "cpu",
+                         devices=1 if cuda else 2, precision=run.get("precision", "32-true"), strategy=strategy,
+                         default_root_dir=out)
     where = out / run["name"]
     where.mkdir(parents=True, exist_ok=True)
     try:
@@ -72,7 +76,8 @@ def fit(out: Path, run: dict[str, Any]) -> None:
         watch = callback.step_watch
         record = {"world_size": trainer.world_size, "wrapped": callback.wrapped, "batch": callback.batch_size,
                   "seen": sizes.seen, "predicted": watch.predicted.peak, "measured": watch.measured.peak,
-                  "predicted_at_peak": watch.predicted.at_peak, "measured_at_peak": watch.measured.at_peak}
+                  "predicted_at_peak": watch.predicted.at_peak, "measured_at_peak": watch.measured.at_peak,
+                  "limit": watch.limit, "cuda_peak": watch.cuda_peak}
     (where / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -82,4 +87,4 @@ if __name__ == "__main__":
     os.chdir(target)
     sys.path.insert(0, str(Path(__file__).parent))
     for run in json.loads(sys.argv[2]):
-        fit(target, run)
+        fit(target, run, cuda="--cuda" in sys.argv[3:])

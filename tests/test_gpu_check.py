@@ -162,3 +162,18 @@ def test_device_command_fits_in_one_call() -> None:
     command = "python3 -m ckpt_tools.gpu_check --wheels .whl --out $OUT"
     assert shown == [command] and command in sys.modules["ckpt_tools.gpu_check"].__doc__
     assert len(command) < 2000
+
+
+def test_the_fsdp_fit_table_reads_the_worker_s_record(dry) -> None:
+    """The GPU run's FSDP step (tests/fit_fsdp_worker.py --cuda) writes a rank's record; the summary's row is it."""
+    from ckpt_tools.gpu_check import summary
+
+    _, results, said = dry
+    assert results["fsdp_fit"] is None
+    assert "## Under FSDP (Lightning's FSDPStrategy, one GPU)\n\nNot run in a dry run." in said
+    record = {"wrapped": ["blocks.0._fsdp_wrapped_module"], "predicted": 3 * 2**20, "measured": 3 * 2**20 + 8,
+              "limit": 4 * 2**20, "cuda_peak": 5 * 2**20}
+    table = summary({**results, "dry_run": False, "fsdp_fit": record})
+    assert "| 4.0 | 1 | 3.0 | 3.0 | 5.0 | NO |" in table  # MiB; the allocator's peak over the limit: NO
+    table = summary({**results, "dry_run": False, "fsdp_fit": {**record, "cuda_peak": 4 * 2**20}})
+    assert "| 4.0 | 1 | 3.0 | 3.0 | 4.0 | yes |" in table

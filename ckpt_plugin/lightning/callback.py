@@ -284,7 +284,7 @@ class ActivationCheckpointing(pl.Callback):
             rank_zero_info(plan.summary)
         self.planned = plan.planned
         self._batches = 0
-        self.step_watch = StepWatch(plan.fit.split) if plan.fit is not None else None
+        self.step_watch = StepWatch(plan.fit.split, plan.fit.limit) if plan.fit is not None else None
         rows, options = report_rows(pl_module, plan)
         sharded = sharded_parameters(trainer.strategy)
         without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed

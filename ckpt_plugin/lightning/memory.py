@@ -211,8 +211,9 @@ class StepWatch:
     allocator's peak too (``torch.cuda.max_memory_allocated``, which also counts what MemTracker does not see:
     the batch, the allocator's rounding)."""
 
-    def __init__(self, predicted: StepSplit) -> None:
+    def __init__(self, predicted: StepSplit, limit: int | None = None) -> None:
         self.predicted = predicted
+        self.limit = limit  # ckpt.memory in bytes, as the plan resolved it
         self.measured: StepSplit | None = None
         self.cuda_peak: int | None = None
         self._tracker: CategoryPeakTracker | None = None
