@@ -3,12 +3,14 @@ tests/test_fit_fsdp.py.
 
     python tests/fit_fsdp_worker.py OUT_DIR '[{"name": "adamw_low", "optimizer": "adamw", "memory": 3000000}]'
 
-Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD; or, with ``"model": "resnet"``, the
-example ResNet, a unit per Bottleneck) for three steps with ``ckpt=auto``,
-``ckpt.memory`` and, where the run says so, ``ckpt.batch=max`` and a ``precision``. Rank 0 plans in setup, on the whole module, each
-whole step on a fake twin the strategy shards; every rank installs the plan and measures its own whole step at
-the second batch. Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the batch, the whole step
-predicted and measured (MemTracker, every category), or the error it raised. The runs share the two processes.
+Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD; its sizes from ``"gpt"``) or, with
+``"model": "resnet"``, the example ResNet (a unit per Bottleneck) for three steps with ``ckpt=auto``,
+``ckpt.memory`` and, where the run says so, ``ckpt.batch=max`` and a ``precision``. Rank 0 plans in setup, on the
+whole module, each whole step on a fake twin the strategy shards; every rank installs the plan and measures its
+own whole step at the second batch. Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the
+batch, the whole step predicted and measured (MemTracker, every category; with ``--cuda`` the allocator's peak),
+or the error it raised. The runs share the two processes. ``--cuda`` (the GPU check): Lightning's own
+FSDPStrategy on one GPU.
 """
 
 from __future__ import annotations
