@@ -81,7 +81,8 @@ def fake_process_group(rank: int, world_size: int) -> Any:
     """A process group of ``world_size`` ranks, this one ``rank``, whose collectives do nothing."""
     from torch._C._distributed_c10d import FakeProcessGroup  # private
 
-    return FakeProcessGroup._create_internal(rank, world_size)
+    create = getattr(FakeProcessGroup, "_create_internal", None)  # newer torch: the constructor is not bound
+    return create(rank, world_size) if create is not None else FakeProcessGroup(rank, world_size)
 
 
 def _is_fake_group(group: Any) -> bool:
@@ -107,18 +108,22 @@ def fsdp_on_fake_tensors() -> Iterator[None]:
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    allocated, same = _flat_param._data_ptr_allocated, _flat_param._same_storage
+    readers = {  # what replaces each where this torch has it
+        "_data_ptr_allocated": lambda tensor: tensor.untyped_storage().nbytes() > 0,
+        "_same_storage": lambda a, b: StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage()),
+    }
+    kept = {name: getattr(_flat_param, name) for name in readers if hasattr(_flat_param, name)}
     try:
         for name, collective in saved.items():
             setattr(dist, name, _skipping_fake_groups(collective))
-        _flat_param._data_ptr_allocated = lambda tensor: tensor.untyped_storage().nbytes() > 0
-        _flat_param._same_storage = lambda a, b: (StorageWeakRef(a.untyped_storage())
-                                                  == StorageWeakRef(b.untyped_storage()))
+        for name in kept:
+            setattr(_flat_param, name, readers[name])
         yield
     finally:
         for name, collective in saved.items():
             setattr(dist, name, collective)
-        _flat_param._data_ptr_allocated, _flat_param._same_storage = allocated, same
+        for name, reader in kept.items():
+            setattr(_flat_param, name, reader)
 
 
 __all__ = ["fake_copy", "fake_process_group", "fsdp_on_fake_tensors"]
