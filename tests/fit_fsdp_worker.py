@@ -7,7 +7,8 @@ Each run fits the example GPT (a unit per TransformerBlock, FULL_SHARD; its size
 ``"model": "resnet"``, the example ResNet (a unit per Bottleneck) for three steps with ``ckpt=auto``,
 ``ckpt.memory`` and, where the run says so, ``ckpt.batch=max`` and a ``precision``. Rank 0 plans in setup, on the
 whole module, each whole step on a fake twin the strategy shards; every rank installs the plan and measures its
-own whole step at the second batch. Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the
+own whole step at the second batch; ``"plan": "<run>"`` gives that run's ``ckpt_plan.json`` back with ``ckpt.plan``.
+Each rank writes ``OUT_DIR/<run>/rank<r>.json``: the plan installed, the
 batch, the whole step predicted and measured (MemTracker, every category; with ``--cuda`` the allocator's peak),
 or the error it raised. The runs share the two processes. ``--cuda`` (the GPU check): Lightning's own
 FSDPStrategy on one GPU.
@@ -59,15 +60,19 @@ def fit(out: Path, run: dict[str, Any], cuda: bool = False) -> None:
         model = (SGDGPT if run["optimizer"] == "sgd" else GPT)(**size, batch_size=run.get("data_batch", 4))
         data, layer = TextData(block_size=size["block_size"], batch_size=run.get("data_batch", 4),
                                num_samples=512), TransformerBlock
-    callback = ActivationCheckpointing(mode="auto", layers=layer.__name__, memory=run["memory"],
-                                       batch=run.get("batch"))
+    if "plan" in run:  # ckpt.plan: the file another run of this launch wrote (in its own folder)
+        callback = ActivationCheckpointing(mode="auto", layers=layer.__name__,
+                                           plan=str(out / run["plan"] / "ckpt_plan.json"))
+    else:
+        callback = ActivationCheckpointing(mode="auto", layers=layer.__name__, memory=run["memory"],
+                                           batch=run.get("batch"))
     sizes = Sizes()
     # --cuda (the GPU check): Lightning's own FSDPStrategy on one GPU; else two gloo ranks on the CPU.
     strategy = FSDPStrategy(auto_wrap_policy={layer}) if cuda else CPUFSDPStrategy(auto_wrap_policy={layer})
     trainer = pl.Trainer(max_steps=3, callbacks=[callback, sizes], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cuda" if cuda else "cpu",
                          devices=1 if cuda else 2, precision=run.get("precision", "32-true"), strategy=strategy,
-                         default_root_dir=out)
+                         default_root_dir=out / run["name"])
     where = out / run["name"]
     where.mkdir(parents=True, exist_ok=True)
     try:
@@ -75,11 +80,13 @@ def fit(out: Path, run: dict[str, Any], cuda: bool = False) -> None:
     except Exception as err:  # recorded; the next run goes on in the same two processes
         record = {"error": [type(err).__name__, str(err)], "trace": traceback.format_exc()[-3000:]}
     else:
-        watch = callback.step_watch
+        watch = callback.step_watch  # None for a given plan: nothing was predicted
         record = {"world_size": trainer.world_size, "wrapped": callback.wrapped, "batch": callback.batch_size,
-                  "seen": sizes.seen, "predicted": watch.predicted.peak, "measured": watch.measured.peak,
-                  "predicted_at_peak": watch.predicted.at_peak, "measured_at_peak": watch.measured.at_peak,
-                  "limit": watch.limit, "cuda_peak": watch.cuda_peak}
+                  "seen": sizes.seen, "plan_path": str(callback.plan_path) if callback.plan_path else None}
+        if watch is not None:
+            record |= {"predicted": watch.predicted.peak, "measured": watch.measured.peak,
+                       "predicted_at_peak": watch.predicted.at_peak, "measured_at_peak": watch.measured.at_peak,
+                       "limit": watch.limit, "cuda_peak": watch.cuda_peak}
     (where / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

@@ -35,13 +35,14 @@ RUNS = [
     {"name": "resnet", "model": "resnet", "optimizer": "sgd", "memory": 950_000},  # least 860,288 B
     {"name": "bf16_mixed", "optimizer": "adamw", "memory": 4_000_000, "precision": "bf16-mixed"},  # FSDP's own
 ]
+GIVEN = {"name": "given", "optimizer": "adamw", "plan": "adamw_mid"}  # adamw_mid's ckpt_plan.json, with ckpt.plan
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fit_fsdp") / "run"
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps(RUNS)], check=False,
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps([*RUNS, GIVEN])], check=False,
                           capture_output=True, text=True, env=env, cwd=out.parent, timeout=420)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (out / "output.txt").write_text(proc.stdout + proc.stderr)
@@ -73,6 +74,21 @@ def test_a_lower_limit_checkpoints_more_and_a_limit_above_the_step_without_wraps
     assert 0 < wrapped[0] < wrapped[1] < wrapped[2]
     assert all(".attn" in n or ".mlp" in n or n.endswith("_fsdp_wrapped_module")
                for n in ranks(out, "adamw_low")[0]["wrapped"])  # named as FSDP wrapped them: the same modules
+
+
+def test_the_plan_kept_names_the_module_s_own_layers_and_installs_again_under_fsdp_s_units(out: Path) -> None:
+    """ckpt_plan.json names the layers as the module does (blocks.1), not as FSDP wrapped them; given back with
+    ckpt.plan it is read against the whole module in setup and installs on the same units."""
+    from ckpt_plugin.planning.plan_file import FILE_NAME
+
+    planned = ranks(out, "adamw_mid")
+    written = json.loads((out / "adamw_mid" / FILE_NAME).read_text())
+    assert Path(planned[0]["plan_path"]) == out / "adamw_mid" / FILE_NAME
+    assert written["modules"] == {"blocks.0": "TransformerBlock", "blocks.1": "TransformerBlock"}
+    given = ranks(out, "given")
+    assert [r.get("error") for r in given] == [None, None]
+    assert given[0]["wrapped"] == given[1]["wrapped"] == planned[0]["wrapped"] == [
+        "blocks.0._fsdp_wrapped_module", "blocks.1._fsdp_wrapped_module"]
 
 
 def test_batch_max_sets_one_larger_batch_on_both_ranks(out: Path) -> None:

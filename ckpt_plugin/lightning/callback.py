@@ -223,9 +223,9 @@ class ActivationCheckpointing(pl.Callback):
             raise refused
         if isinstance(self.config, AutoConfig) and self.config.batch == "max" and self.config.plan is None:
             check_settable(pl_module)  # before anything is planned: where the batch size would be written
-        # ckpt=auto under FSDP plans here, while the module is whole (ckpt.memory: lightning/fsdp.py's twin).
-        before_sharding = (isinstance(self.config, AutoConfig) and self.config.plan is None
-                           and is_fsdp(trainer.strategy))
+        # ckpt=auto under FSDP plans here (or reads ckpt.plan), while the module is whole: ckpt.memory on
+        # lightning/fsdp.py's twin. The plan names the module's layers; fit start renames it to FSDP's names.
+        before_sharding = isinstance(self.config, AutoConfig) and is_fsdp(trainer.strategy)
         try:
             _check_on(pl_module, self.config)
         except ConfigError as err:
@@ -249,7 +249,13 @@ class ActivationCheckpointing(pl.Callback):
 
     def _plan_before_sharding(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """ckpt=auto under FSDP: rank 0 plans on the whole module (ckpt.memory: every whole step on the fake twin the
-        strategy shards, ``fsdp.py``); every rank gets the plan (installed at fit start) and sets the batch."""
+        strategy shards, ``fsdp.py``); every rank gets the plan (installed at fit start) and sets the batch. A plan
+        given with ``ckpt.plan`` is read against the whole module too, so it installs whatever units FSDP makes.
+        The plan kept (``ckpt_plan.json``, the checkpoint) names the module's own layers."""
+        before = dict(user_module(pl_module).named_modules())
+        if self.config.plan is not None:
+            self._early = (plan_for(pl_module, self.config), before)
+            return
         forward = self._example_forward(trainer, pl_module, from_batch=True)
         if forward is None:
             raise _no_sample(pl_module)
@@ -257,7 +263,8 @@ class ActivationCheckpointing(pl.Callback):
         if batch is not None:
             set_batch_size(trainer, pl_module, batch)
             self.batch_size = batch
-        self._early = (plan, dict(user_module(pl_module).named_modules()))
+        self._keep(trainer, pl_module, plan)
+        self._early = (plan, before)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if isinstance(self.config, NoneConfig):
@@ -297,7 +304,7 @@ class ActivationCheckpointing(pl.Callback):
                 without = err
         self._installed = install_plan(pl_module, plan)
         self.wrapped = self._installed.names
-        if planning or early is not None:
+        if planning:
             self._keep(trainer, pl_module, plan)
         self._say_what_was_wrapped(pl_module, plan, forward, sharded, without, rows, options)
         self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig)
