@@ -150,11 +150,15 @@ def _one_rank_fit(model, callback, tmp_path) -> None:
     trainer = pl.Trainer(max_steps=2, callbacks=[callback], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
                          strategy=CPUFSDPStrategy(auto_wrap_policy={TransformerBlock}), default_root_dir=tmp_path)
+    environ = dict(os.environ)
     try:
         trainer.fit(model, TextData(block_size=16, batch_size=2, num_samples=64))
-    finally:  # the one-rank group this process made: no other test in this worker inherits it
+    finally:  # the one-rank group this process made, and Lightning's MASTER_PORT, WORLD_SIZE, LOCAL_RANK...:
+        # a later test's launch would inherit them and take its ranks for launched already (and hang)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_layers_built_in_configure_model_cannot_be_planned_before_sharding_and_the_error_says_so(tmp_path) -> None:
