@@ -198,5 +198,5 @@ def test_layers_in_units_of_their_own_get_per_layer_plans_only() -> None:
 
     assert NestedRegions(measuring(True)).available()
     assert not NestedRegions(measuring(False)).available()
-    twin = Twin(chain, chain, [], None, {"0": "0._fsdp_wrapped_module", "1": "1"}, 0, 2)
+    twin = Twin(chain, chain, [], None, {"0": "0._fsdp_wrapped_module", "1": "1"})
     assert not twin.unmoved(["0", "1"]) and twin.unmoved(["1", "2"])

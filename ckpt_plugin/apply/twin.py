@@ -54,9 +54,7 @@ class Twin:
     wrapped: nn.Module  # the strategy's root around it (FSDP's)
     optimizers: list[torch.optim.Optimizer]
     mode: Any  # the fake-tensor mode its tensors belong to
-    names: dict[str, str]  # a module's name in the LightningModule (before wrapping) -> in the twin (after)
-    rank: int
-    world_size: int
+    names: dict[str, str]  # a module's name in the module (before wrapping) -> in the twin (after)
     device: torch.device | None = None  # where the strategy runs the module (FSDP moves it there)
 
     def unmoved(self, names: list[str]) -> bool:
@@ -84,7 +82,7 @@ def make_twin(module: nn.Module, wrap: Callable[[nn.Module, Any], nn.Module],
         optimizers = list(optimizers_of(twin))
     after = {id(m): n for n, m in user_module(twin).named_modules()}
     names = {before[i]: after[id(copy)] for i, copy in copies.items() if i in before and id(copy) in after}
-    return Twin(twin, wrapped, optimizers, mode, names, rank, world_size, device)
+    return Twin(twin, wrapped, optimizers, mode, names, device)
 
 
 @dataclass(frozen=True)
