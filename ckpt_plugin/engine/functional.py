@@ -91,11 +91,13 @@ def checkpoint(
 
 
 def _offloading() -> Callable[[], contextlib.AbstractContextManager]:
-    """A fresh offloading context per call of one transform, all saying "nothing to move" at most once."""
+    """A fresh offloading context per call of one transform, all saying "nothing to move" at most once and sharing
+    one host pool."""
     from ckpt_plugin.engine.offload import NothingToMoveNotice, offloading  # imported on use: offloading is optional
+    from ckpt_plugin.engine.offload_copies import Offloader
 
-    notice = NothingToMoveNotice()
-    return lambda: offloading(notice=notice)
+    notice, offloader = NothingToMoveNotice(), Offloader()  # one host pool for the transform's calls
+    return lambda: offloading(notice=notice, offloader=offloader)
 
 
 __all__ = ["checkpoint"]

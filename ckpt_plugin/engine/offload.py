@@ -29,22 +29,21 @@ size, stride and offset, so backward runs on exactly the layout it would have
 had. A storage modified in place between two saves is copied again (the key
 includes the version counter, which views share).
 
-On CUDA the device-to-host copy runs on a side stream so it overlaps the
-forward: the side stream first waits for the compute stream (the copy reads
-finished data), ``record_stream`` keeps the allocator from giving the source
-block to another tensor before the copy has run, and an event recorded after
-the copy is what the compute stream waits on before bringing the bytes back in
-backward. Host buffers are pinned so both copies are asynchronous. The source
-is not otherwise protected from in-place writes during the copy: writing to a
-saved tensor bumps its version counter, and autograd refuses such a graph in
-backward anyway.
+On CUDA the copies out run on a side stream, overlapping the forward; in
+backward each call's bytes come back ahead of use on a second stream; host
+memory is a pinned pool reused from the second step on. How, and why, is in
+``offload_copies.py``: an :class:`~ckpt_plugin.engine.offload_copies.Offloader`
+does the copying, and one serves every context of its owner (an installation's
+layers: ``engine/wrap.py``), so that the calls of one step are known in order.
+The source is not otherwise protected from in-place writes during the copy:
+writing to a saved tensor bumps its version counter, and autograd refuses such
+a graph in backward anyway.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +52,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from ckpt_plugin._compat import StorageWeakRef, base_of, checkpoint_placeholder, outer_saved_tensors_hooks, version
+from ckpt_plugin.engine.offload_copies import HostCopy, Offloader
 
 __all__ = ["NothingToMoveNotice", "OffloadStats", "Offloading", "offloading", "should_move"]
 
@@ -111,41 +111,7 @@ class OffloadStats:
     already_on_cpu: int = 0  # saves that would have moved but were in CPU memory already
 
 
-class _HostCopy:
-    """The bytes of one device storage in host memory, and the way back."""
-
-    __slots__ = ("host", "device", "ready", "_restored")
-
-    def __init__(self, t: torch.Tensor, side: torch.cuda.Stream | None) -> None:
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # (nbytes,)
-        self.host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=t.is_cuda)
-        self.device = t.device
-        self.ready: torch.cuda.Event | None = None  # set once the copy is queued on the side stream
-        self._restored: weakref.ref[torch.Tensor] | None = None  # a view on the bytes brought back
-        if side is None:
-            self.host.copy_(src)
-            return
-        side.wait_stream(torch.cuda.current_stream(t.device))  # the producer has written src
-        with torch.cuda.stream(side):
-            self.host.copy_(src, non_blocking=True)
-        src.record_stream(side)  # src's block is not reused before the copy has run
-        self.ready = side.record_event()
-
-    def restore(self, dtype: torch.dtype, offset: int, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
-        """The saved tensor back on its device; views unpacked by the same node share one copy."""
-        alive = self._restored() if self._restored is not None else None
-        if alive is not None:
-            storage = alive.untyped_storage()
-        else:
-            if self.ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(self.ready)  # the host bytes are complete
-            storage = self.host.to(self.device, non_blocking=self.host.is_pinned()).untyped_storage()
-        view = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
-        self._restored = weakref.ref(view)
-        return view
-
-
-_Packed = Any  # the tensor itself, or (_HostCopy, dtype, offset, size, stride)
+_Packed = Any  # the tensor itself, or (HostCopy, dtype, offset, size, stride)
 
 
 class Offloading(saved_tensors_hooks):
@@ -155,19 +121,23 @@ class Offloading(saved_tensors_hooks):
     # Tests empty it in a subclass to run the copy path on a CPU-only machine.
     _in_host_memory: tuple[str, ...] = ("cpu",)
 
-    def __init__(self, *, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None) -> None:
+    def __init__(self, *, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None,
+                 offloader: Offloader | None = None) -> None:
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"ckpt.offload: min_bytes must be a whole number of bytes >= 0, got {min_bytes!r}")
         self.min_bytes = min_bytes
         self.notice = notice if notice is not None else NothingToMoveNotice()  # shared by the caller's contexts
+        # Shared by the caller's contexts too (an installation's layers): one pool, one order of calls per step.
+        self.offloader = offloader if offloader is not None else Offloader()
         self.stats = OffloadStats()  # of the last use; a fresh one on every `with`
-        self._copies: dict[tuple[StorageWeakRef, int], _HostCopy] = {}  # (storage, version) -> copy
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._copies: dict[tuple[StorageWeakRef, int], HostCopy] = {}  # (storage, version) -> copy, this use
+        self._call: Any = None  # this use's call, as the offloader orders them (begun at the first copy)
         self._outer: tuple[Any, Any] | None = None
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> Offloading:
         self.stats = OffloadStats()
+        self._call = None
         # What we keep on the device still goes through the hooks around us, so
         # outer measurements (measure.saved_bytes) see it as autograd would.
         self._outer = outer_saved_tensors_hooks()
@@ -177,14 +147,10 @@ class Offloading(saved_tensors_hooks):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._copies.clear()  # the packed entries hold what they need
+        self._call = None
         nothing_moved = self.stats.already_on_cpu and not self.stats.moved_bytes
         if nothing_moved and exc[0] is None:
             self.notice.give(stacklevel=2)  # points at the user's `with`
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._side_streams:
-            self._side_streams[device] = torch.cuda.Stream(device)
-        return self._side_streams[device]
 
     def _pack(self, t: torch.Tensor) -> _Packed:
         if checkpoint_placeholder(t):  # torch 2.11's 0-byte placeholder of a region: kept, and counted by no stat
@@ -198,9 +164,12 @@ class Offloading(saved_tensors_hooks):
         key = (StorageWeakRef(t.untyped_storage()), version(t))
         copy = self._copies.get(key)
         if copy is None:
-            copy = self._copies[key] = _HostCopy(t, self._side_stream(t.device) if t.is_cuda else None)
-            self.stats.moved_bytes += copy.host.numel()
+            if self._call is None:  # begun at the first copy: a call that moves nothing takes no place in the order
+                self._call = self.offloader.begin()
+            copy = self._copies[key] = self.offloader.copy_out(t, self._call)
+            self.stats.moved_bytes += copy.nbytes
             self.stats.moved_storages += 1
+        copy.packs += 1
         return copy, t.dtype, t.storage_offset(), t.size(), t.stride()
 
     def _keep(self, t: torch.Tensor) -> Any:
@@ -213,7 +182,7 @@ class Offloading(saved_tensors_hooks):
         if isinstance(packed, _Outer):
             return packed.unpack(packed.packed)
         copy, *layout = packed
-        return copy.restore(*layout)
+        return self.offloader.bring_back(copy, *layout)
 
 
 @dataclass
@@ -224,7 +193,8 @@ class _Outer:
     unpack: Any
 
 
-def offloading(*, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None) -> Offloading:
+def offloading(*, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None,
+               offloader: Offloader | None = None) -> Offloading:
     """Context under which the tensors autograd saves for backward are kept in CPU memory.
 
     ``min_bytes``: storages smaller than this stay on the device (torchtune's
@@ -232,5 +202,8 @@ def offloading(*, min_bytes: int = 1024, notice: NothingToMoveNotice | None = No
     (:class:`OffloadStats`) of that use. ``notice``: the :class:`NothingToMoveNotice` shared
     by every context of one owner (that the activations are in CPU memory already is said once
     per notice); None: the context's own, said once however often the context is entered.
+    ``offloader``: the :class:`~ckpt_plugin.engine.offload_copies.Offloader` (host pool, copy
+    streams, the step's calls in order) shared by the contexts of one owner; None: the context's
+    own, reused however often the context is entered.
     """
-    return Offloading(min_bytes=min_bytes, notice=notice)
+    return Offloading(min_bytes=min_bytes, notice=notice, offloader=offloader)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ckpt_plugin.engine.norms import keep_running_stats
 from ckpt_plugin.engine.offload import NothingToMoveNotice, offloading
+from ckpt_plugin.engine.offload_copies import Offloader
 from ckpt_plugin._compat import tracing_for_compile
 from ckpt_plugin.engine.recompute_check import CallRecord, recomputation_checked
 
@@ -48,10 +49,12 @@ class Treatment:
         """Whether a call starting now checks its recomputation, naming the module (read per call)."""
         return self.check_recompute or recomputation_checked()
 
-    def offloading(self) -> contextlib.AbstractContextManager:
+    def offloading(self, offloader: Offloader | None) -> contextlib.AbstractContextManager:
+        """The context one call runs in: offloading through ``offloader`` (its installation's, shared by all its
+        offloaded layers: one host pool, the step's calls in order) where this treatment offloads."""
         if not self.offload:
             return contextlib.nullcontext()
-        return offloading(notice=self.notice)
+        return offloading(notice=self.notice, offloader=offloader)
 
     def context_fn(self, stats: list, label: str | None = None, name: str | None = None,
                    ) -> Callable[[], tuple] | None:

@@ -61,6 +61,7 @@ from ckpt_plugin.engine.plan import Segments, WrapPlan
 from ckpt_plugin.engine.regional import CompiledCalls
 from ckpt_plugin.errors import raise_problems
 from ckpt_plugin.engine.norms import running_stats
+from ckpt_plugin.engine.offload_copies import Offloader
 from ckpt_plugin.engine.op_groups import is_regrouped, regroup, regrouped, ungroup
 from ckpt_plugin.engine.segments.sequential import schedule
 from ckpt_plugin.engine.side_effects import SideEffects, remove_cache_hooks, turn_cache_off_above
@@ -78,13 +79,16 @@ class CheckpointedForward:
     ``side_effects`` is shared by the modules of one installation (a fresh one when not given).
     ``compiled``: the compiled calls the module's call goes through (``ckpt.compile``,
     ``regional.py``), shared by the modules of one treatment; None: eager.
+    ``offloader``: where the treatment offloads, the installation's host pool and copy streams, shared
+    by all its offloaded modules (``offload_copies.py``); None: the wrapper's own.
     """
 
     __slots__ = ("inner", "previous", "treatment", "name", "module", "label", "side_effects", "compiled",
-                 "_context_fn", "_checked_context_fn", "_stats")
+                 "offloader", "_context_fn", "_checked_context_fn", "_stats")
 
     def __init__(self, module: nn.Module, treatment: Treatment, name: str | None = None,
-                 side_effects: SideEffects | None = None, compiled: CompiledCalls | None = None) -> None:
+                 side_effects: SideEffects | None = None, compiled: CompiledCalls | None = None,
+                 offloader: Offloader | None = None) -> None:
         self.previous = instance_forward(module)  # None: the class's forward
         self.inner: Callable[..., Any] = module.forward
         self.treatment = treatment
@@ -92,6 +96,7 @@ class CheckpointedForward:
         self.module = module  # for its training flag (``inner`` holds it already)
         self.side_effects = side_effects or SideEffects()
         self.compiled = compiled
+        self.offloader = offloader if offloader is not None or not treatment.offload else Offloader()
         self.label = f"{name} ({type(module).__name__})" if name else f"a {type(module).__name__}"
         self._stats = running_stats(module)
         self._context_fn = treatment.context_fn(self._stats, name=name)  # None: nothing of ours runs in the call
@@ -99,7 +104,7 @@ class CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t = self.treatment
-        with t.offloading():  # outside checkpoint: offloads what checkpointing still keeps
+        with t.offloading(self.offloader):  # outside checkpoint: offloads what checkpointing still keeps
             if not t.checkpointing:
                 if self.compiled is not None:
                     return self.compiled.uncheckpointed(self.inner, args, kwargs, self.label)
@@ -152,6 +157,15 @@ def policy_of(model: nn.Module) -> Any:
     return next((t.policy for t in treatments if t.policy is not None), None)
 
 
+def offloaders_of(model: nn.Module) -> list[Offloader]:
+    """The offloaders (host pool, copy streams) of the wrapped modules of ``model`` that offload, each once:
+    one per installation (``install``)."""
+    found = [w.offloader for m in model.modules()
+             if isinstance(w := instance_forward(m), CheckpointedForward) and w.offloader is not None]
+    found += [chain.offloader for chain in chains_of(model) if chain.offloader is not None]
+    return list({id(o): o for o in found}.values())
+
+
 def remove_checkpointing(model: nn.Module) -> list[str]:
     """Undo :func:`apply_checkpointing`: every wrapped module gets its forward back, and a module whose
     forward ran as op groups (``op_groups.py``, ``ckpt=auto`` inside a layer) its own forward and children.
@@ -167,12 +181,15 @@ def _take_off(model: nn.Module, keep_groups: set[int]) -> list[str]:
     (``install``: the plan it puts on runs them so)."""
     removed = wrapped_modules(model)
     remove_cache_hooks(model)
+    offloaders = {id(o): o for o in offloaders_of(model)}
     for chain in chains_of(model):
         chain.remove()
     for module in model.modules():
         wrapper = instance_forward(module)
         if isinstance(wrapper, CheckpointedForward):
             set_forward(module, wrapper.previous)
+    for offloader in offloaders.values():  # the installation's host memory goes with it
+        offloader.free()
     for module in regrouped(model):  # after the unwrapping: a regrouped module's wrapper runs its traced forward
         if id(module) not in keep_groups:
             ungroup(module)
@@ -222,13 +239,16 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
     _take_off(model, keep_groups=kept)
     modules = dict(model.named_modules())
     side_effects = SideEffects()  # this installation's: it warns about a KV cache once
+    # This installation's host pool and copy streams, shared by every layer it offloads: one order of calls per
+    # step, so that backward brings the next layers' bytes back ahead of use (offload_copies.py).
+    offloader = Offloader() if any(g.treatment.offload for g in plan.groups) else None
     compiled: dict[tuple[str, int], CompiledCalls] = {}  # one per backend and treatment (ckpt=auto: many groups)
     counts = collections.Counter((g.compile, id(g.treatment)) for g in plan.groups if not isinstance(g, Segments)
                                  for _ in g.names)  # layers per compiled calls: their recompile limit
     for group in plan.groups:
         if isinstance(group, Segments):
             layers = [modules[n] for n in group.names]
-            ChainCheckpoint(list(group.names), layers, group.segments, group.treatment, side_effects)
+            ChainCheckpoint(list(group.names), layers, group.segments, group.treatment, side_effects, offloader)
         else:
             calls = None
             if group.compile is not None:
@@ -237,7 +257,8 @@ def install(model: nn.Module, plan: WrapPlan) -> list[str]:
                     compiled[key] = CompiledCalls(group.compile, group.treatment, counts[key])
                 calls = compiled[key]
             for name in group.names:
-                wrapper = CheckpointedForward(modules[name], group.treatment, name, side_effects, calls)
+                wrapper = CheckpointedForward(modules[name], group.treatment, name, side_effects, calls,
+                                              offloader if group.treatment.offload else None)
                 set_forward(modules[name], wrapper)
     if any(g.treatment.checkpointing for g in plan.groups):
         turn_cache_off_above(model, plan.names, side_effects)  # a Hugging Face model above: use_cache=False

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import noop_context_fn
 from ckpt_plugin._compat import close_region, open_region
 from ckpt_plugin.engine.segments.chain_check import Links, not_a_chain
 from ckpt_plugin.engine.norms import running_stats
+from ckpt_plugin.engine.offload_copies import Offloader
 from ckpt_plugin.engine.segments.sequential import Node, Region, regions, schedule
 from ckpt_plugin.engine.side_effects import Prepared, SideEffects
 from ckpt_plugin.engine.treatment import Treatment
@@ -48,8 +49,10 @@ class ChainCheckpoint:
     """Checkpoint regions over ``layers`` (consecutive siblings, in call order)."""
 
     def __init__(self, names: list[str], layers: list[nn.Module], segments: int | str | tuple[Node, ...],
-                 treatment: Treatment, side_effects: SideEffects | None = None):
+                 treatment: Treatment, side_effects: SideEffects | None = None, offloader: Offloader | None = None):
         self.names, self.layers = names, layers
+        # Where the treatment offloads: the installation's host pool and copy streams (offload_copies.py).
+        self.offloader = offloader if offloader is not None or not treatment.offload else Offloader()
         self.side_effects = side_effects or SideEffects()
         self.nodes = schedule(len(layers), segments)
         self.treatment = treatment
@@ -95,7 +98,7 @@ class ChainCheckpoint:
                 if self.treatment.offload:
                     # Pushed before the first region opens and popped after the last
                     # closes, so the regions' saved inputs go through it (hooks nest).
-                    self._offload = self.treatment.offloading()
+                    self._offload = self.treatment.offloading(self.offloader)
                     self._offload.__enter__()
             if self._plain:
                 return None

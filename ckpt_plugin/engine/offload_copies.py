@@ -1,0 +1,235 @@
+"""The copies behind offloading: out to host memory on a side stream, back ahead of use in backward.
+
+    offloader = Offloader()                 # one per installation: every offloaded layer of a model shares it
+    call = offloader.begin()                # a layer's call starts (forward)
+    copy = offloader.copy_out(t, call)      # a saved storage to host memory
+    offloader.end(call)
+    t = offloader.bring_back(copy, layout)  # backward: its call's bytes, and the next calls' ahead of use
+    offloader.free()                        # remove_checkpointing: the host pool goes
+
+What overlaps what, on CUDA (the copies alone, one after the other, took 805 ms of
+a 1,109 ms step when nothing overlapped; docs/gpu.md):
+
+- **Out, in forward.** Each copy runs on a side stream that first waits for the
+  compute stream (the copy reads finished data). The compute stream is captured
+  *before* switching to the side stream: inside ``torch.cuda.stream(s)``,
+  ``current_stream()`` is ``s`` (the trap torchtitan's async offload found).
+  ``record_stream`` keeps the allocator from handing the source block to another
+  tensor before the copy has run, so the compute stream waits only where the
+  device block would be reused. A call starting waits for the copies of the call
+  :attr:`Offloader.ahead` + 1 calls before it: at most ``ahead`` calls' bytes are
+  in flight, which is what the planner's peak counts (``planning/offload_plan.py``).
+- **Back, in backward.** Autograd unpacks a call's saved tensors when its layer's
+  backward starts. Then that call's bytes come back (if not already here) and so
+  do the next ``ahead`` calls' in backward order (the calls before it in forward),
+  on a second stream, each after its own copy out has finished. Each device
+  tensor is allocated on that stream and recorded on the compute stream
+  (``record_stream``), and the compute stream waits on its arrival event only
+  when the tensor is unpacked: backward does not wait for copies it does not yet
+  need (torchtitan#2379; torch's compiled offload added reload prefetch for the
+  same reason, pytorch#168316).
+- **Host memory** comes from a :class:`~ckpt_plugin.engine.host_pool.HostPool`,
+  pinned, reused from the second step on. Before a step's first copy out reuses
+  the pool, the side stream waits for the last step's copies back: they read
+  the regions it is about to overwrite.
+
+On a CPU-only machine the same sequence runs with plain copies (tests force it:
+``Offloading._in_host_memory``), so the order of copies, prefetches and the pool's
+reuse are tested where there is no GPU; only overlap and the allocator need one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt_plugin.engine.host_pool import HostPool
+
+PREFETCH_AHEAD = 1  # calls whose copies may be in flight beside the running one, out and back
+
+
+@dataclass
+class CopyStats:
+    """What an :class:`Offloader` has done, over its life: for tests and the GPU check."""
+
+    copies_out: int = 0
+    bytes_out: int = 0
+    prefetched: int = 0  # storages brought back ahead of their unpack (a later call's, in backward order)
+    on_demand: int = 0  # storages brought back at their own unpack: the first of a backward, or re-read
+
+
+class _Streams:
+    """A device's two copy streams: out (device to host) and back (host to device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.out = torch.cuda.Stream(device)
+        self.back = torch.cuda.Stream(device)
+        self.pool_generation = -1  # the pool's start-overs when ``out`` last waited for ``back``
+
+
+class _Call:
+    """One offloaded call of a layer in one step: its copies (weakly), in the order they were made."""
+
+    __slots__ = ("copies", "fetched", "__weakref__")
+
+    def __init__(self) -> None:
+        self.copies: list[weakref.ref[HostCopy]] = []
+        self.fetched = False  # its copies have been sent back (prefetched or on demand)
+
+    def alive(self) -> list[HostCopy]:
+        return [c for ref in self.copies if (c := ref()) is not None]
+
+
+class HostCopy:
+    """The bytes of one device storage in host memory, the event that says they are there, and the way back."""
+
+    __slots__ = ("host", "device", "nbytes", "call", "ready", "on_device", "arrived", "packs", "unpacks",
+                 "_restored", "_pool", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, call: _Call, pool: HostPool) -> None:
+        self.host, self.device, self.nbytes, self.call, self._pool = host, device, host.numel(), call, pool
+        self.ready: torch.cuda.Event | None = None  # recorded after the copy out (CUDA)
+        self.on_device: torch.Tensor | None = None  # (nbytes,) uint8 on the device, once brought back
+        self.arrived: torch.cuda.Event | None = None  # recorded after the copy back (CUDA)
+        self.packs = 0  # saved tensors packed as views of it
+        self.unpacks = 0
+        self._restored: weakref.ref[torch.Tensor] | None = None  # a view given out, while autograd holds it
+
+    def __del__(self) -> None:
+        self._pool.give_back()
+
+
+class Offloader:
+    """What every offloaded call of one installation shares: the host pools, the copy streams, the step's calls.
+
+    ``ahead``: calls in flight beside the running one, out in forward and back in
+    backward (:data:`PREFETCH_AHEAD`); the planner's peak counts them.
+    """
+
+    def __init__(self, ahead: int = PREFETCH_AHEAD) -> None:
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ckpt.offload: ahead must be a whole number of calls >= 0, got {ahead!r}")
+        self.ahead = ahead
+        self.pools = {pinned: HostPool(pinned) for pinned in (False, True)}
+        self.stats = CopyStats()
+        self._streams: dict[torch.device, _Streams] = {}
+        self._calls: list[_Call] = []  # this step's calls with copies alive, in forward order
+
+    @property
+    def host_allocations(self) -> int:
+        """Host allocations the pools have made, ever: after the first step, none."""
+        return sum(p.allocations for p in self.pools.values())
+
+    def free(self) -> None:
+        """Let go of the host memory (``remove_checkpointing``); copies still alive keep their own regions."""
+        for pool in self.pools.values():
+            pool.free()
+        self._calls = []
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def begin(self) -> _Call:
+        """A call starts: drop finished calls, and on CUDA let at most ``ahead`` earlier calls' copies run on."""
+        self._calls = [c for c in self._calls if c.alive()]
+        if len(self._calls) > self.ahead:
+            for copy in self._calls[-1 - self.ahead].alive():
+                if copy.ready is not None:
+                    torch.cuda.current_stream(copy.device).wait_event(copy.ready)
+        call = _Call()
+        self._calls.append(call)
+        return call
+
+    def copy_out(self, t: torch.Tensor, call: _Call) -> HostCopy:
+        """``t``'s whole storage in host memory, queued (CUDA) or done (elsewhere)."""
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # (nbytes,)
+        pool = self.pools[t.is_cuda]
+        copy = HostCopy(pool.take(src.numel()), t.device, call, pool)
+        call.copies.append(weakref.ref(copy))
+        self.stats.copies_out += 1
+        self.stats.bytes_out += copy.nbytes
+        if not t.is_cuda:
+            copy.host.copy_(src)
+            return copy
+        compute = torch.cuda.current_stream(t.device)  # captured before switching streams
+        streams = self._streams_of(t.device)
+        streams.out.wait_stream(compute)  # the producer has written src
+        if streams.pool_generation != pool.started_over:  # the pool starts over: last step's copies back read it
+            streams.out.wait_stream(streams.back)
+            streams.pool_generation = pool.started_over
+        with torch.cuda.stream(streams.out):
+            copy.host.copy_(src, non_blocking=True)
+        src.record_stream(streams.out)  # src's block is not reused before the copy has run
+        copy.ready = streams.out.record_event()
+        return copy
+
+    # -- backward --------------------------------------------------------------------------
+
+    def bring_back(self, copy: HostCopy, dtype: torch.dtype, offset: int, size: torch.Size,
+                   stride: tuple[int, ...]) -> torch.Tensor:
+        """The saved tensor on its device again; its call's bytes, and the next ``ahead`` calls' in backward
+        order, sent back now if they were not yet. Views unpacked by the same node share one copy back."""
+        copy.unpacks += 1
+        alive = copy._restored() if copy._restored is not None else None
+        if alive is not None:
+            storage = alive.untyped_storage()
+        else:
+            compute = torch.cuda.current_stream(copy.device) if copy.device.type == "cuda" else None
+            if copy.on_device is None:
+                if copy.call.fetched:  # brought back before and let go (a second backward): again, now
+                    self.stats.on_demand += 1
+                    self._send_back(copy, compute)
+                else:
+                    self._fetch(copy.call, compute, on_demand=True)
+            self._fetch_ahead(copy.call, compute)
+            if copy.arrived is not None:
+                compute.wait_event(copy.arrived)  # only now does backward need these bytes
+                copy.arrived = None
+            storage = copy.on_device.untyped_storage()
+        view = torch.empty(0, dtype=dtype, device=copy.device).set_(storage, offset, size, stride)
+        copy._restored = weakref.ref(view)
+        if copy.unpacks >= copy.packs:  # every view packed has been unpacked: autograd holds what it needs
+            copy.on_device = None
+        return view
+
+    def _fetch_ahead(self, call: _Call, compute: Any) -> None:
+        at = next((i for i in range(len(self._calls) - 1, -1, -1) if self._calls[i] is call), None)
+        if at is None:
+            return
+        for earlier in reversed(self._calls[max(at - self.ahead, 0):at]):
+            if not earlier.fetched:
+                self._fetch(earlier, compute, on_demand=False)
+
+    def _fetch(self, call: _Call, compute: Any, on_demand: bool) -> None:
+        call.fetched = True
+        for copy in call.alive():
+            if copy.on_device is None:
+                self._send_back(copy, compute)
+                if on_demand:
+                    self.stats.on_demand += 1
+                else:
+                    self.stats.prefetched += 1
+
+    def _send_back(self, copy: HostCopy, compute: Any) -> None:
+        if compute is None:  # not CUDA: a plain copy
+            copy.on_device = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+            copy.on_device.copy_(copy.host)
+            return
+        back = self._streams_of(copy.device).back
+        if copy.ready is not None:
+            back.wait_event(copy.ready)  # the bytes are in host memory
+        with torch.cuda.stream(back):
+            on_device = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+            on_device.copy_(copy.host, non_blocking=True)
+        on_device.record_stream(compute)  # allocated on ``back``, used on the compute stream
+        copy.on_device, copy.arrived = on_device, back.record_event()
+
+    def _streams_of(self, device: torch.device) -> _Streams:
+        if device not in self._streams:
+            self._streams[device] = _Streams(device)
+        return self._streams[device]
+
+
+__all__ = ["CopyStats", "HostCopy", "Offloader", "PREFETCH_AHEAD"]
