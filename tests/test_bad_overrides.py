@@ -243,8 +243,10 @@ CASES = [
     case("ckpt=auto  ckpt.budget=0.5  ckpt.preserve_rng_state=2", "ckpt.preserve_rng_state", "2",
          "ckpt.preserve_rng_state=2 (int) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  +ckpt.segments=2", "ckpt.segments", "ckpt.segments",
-         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, preserve_rng_state, budget, "
-         "memory, batch, compile, timing, plan"),
+         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, preserve_rng_state, offload, "
+         "budget, memory, batch, compile, timing, plan"),
+    case("ckpt=auto  ckpt.budget=0.5  ckpt.offload=maybe", "ckpt.offload", "'maybe'",
+         "ckpt.offload='maybe' (str) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.timing=compiledd", "ckpt.timing", "'compiledd'",
          "ckpt.timing='compiledd' is neither 'auto', 'eager', 'compiled' nor a torch.compile backend; "
          "closest first: 'compiled', ..."),

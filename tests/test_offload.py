@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ckpt_plugin.measure.memory import saved_bytes
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, NothingToMoveNotice, Offloading, offloading, should_move
+from ckpt_plugin.engine.offload_copies import Offloader
 from ckpt_plugin import apply_checkpointing
 
 _VISIBLE_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")  # before conftest's `_cpu_only` hides the GPUs
@@ -301,7 +302,7 @@ def test_cuda_saved_bytes_leave_the_gpu():
 
 @needs_cuda
 def test_cuda_tiny_tensors_stay_big_ones_go_to_pinned_memory():
-    off = offloading(min_bytes=1024)
+    off = offloading(min_bytes=1024, offloader=Offloader(ahead=0))  # ahead=0: the copy leaves the device at once
     tiny = torch.randn(16, device="cuda") * 2  # 64 bytes
     big = torch.randn(64, 64, device="cuda") * 2  # 16 KiB
     assert off._pack(tiny) is tiny

@@ -167,8 +167,9 @@ def test_three_steps_bitwise_with_the_pool_reused(copies_on_cpu, keys):
 
 
 def test_backward_brings_back_each_call_and_the_next_ahead_of_use(copies_on_cpu):
-    """The first call backward needs comes back on demand, every other call ahead of its use, and no more than
-    ``ahead`` calls are on the device beside the one backward runs."""
+    """Every call but the last ``ahead`` (which never left the device) comes back ahead of its use, and no more
+    than ``ahead`` calls are on the device beside the one backward runs; in forward, no more than ``ahead`` calls
+    stay on the device after each call ends."""
     model = _net()
     apply_checkpointing(model, layers="Mixed", mode="offload")
     (offloader,) = offloaders_of(model)
@@ -182,18 +183,27 @@ def test_backward_brings_back_each_call_and_the_next_ahead_of_use(copies_on_cpu)
         return call
 
     def logged_fetch(call, compute, on_demand):
-        held = [c for c in order if c.fetched and any(x.on_device is not None for x in c.alive())]
-        assert len(held) <= offloader.ahead  # the call running backward and at most `ahead` ahead
+        held = [c for c in order if c.stashed or any(x.on_device is not None for x in c.alive())]
+        assert len(held) <= offloader.ahead + 1  # the call backward runs and at most `ahead` ahead
         fetched.append((order.index(call), on_demand))
         fetch(call, compute, on_demand)
 
-    offloader.begin, offloader._fetch = logged_begin, logged_fetch
+    end = offloader.end
+    stashed_after_end = []
+
+    def logged_end(call):
+        end(call)
+        stashed_after_end.append(sum(c.stashed for c in order))
+
+    offloader.begin, offloader._fetch, offloader.end = logged_begin, logged_fetch, logged_end
     model.loss(*_batch(0)).backward()
+    assert stashed_after_end == [1, 1, 1, 1]  # ahead = 1: only the call that just ended
     assert len(order) == 4  # a layer called twice is two calls
-    assert fetched == [(3, True), (2, False), (1, False), (0, False)]
+    # The last call never left the device (its bytes are the last `ahead`); each other comes back ahead of use.
+    assert fetched == [(2, False), (1, False), (0, False)]
     copies = offloader.stats
-    assert copies.on_demand + copies.prefetched == copies.copies_out
-    assert copies.on_demand == sum(1 for _ in order[3].copies)
+    assert copies.on_demand == 0
+    assert copies.prefetched == copies.copies_out - len(order[3].copies)
 
 
 def test_remove_checkpointing_frees_the_pool(copies_on_cpu):

@@ -138,10 +138,14 @@ def test_a_layer_called_twice_counts_twice_and_one_never_called_costs_nothing() 
     times = _measure(model, ["used", "unused"], lambda: model(x), cache=cache)
     assert times.seconds["unused"] == dict.fromkeys(OPTIONS, 0.0)
     # Alike inputs: timed once per option, counted for both calls.
-    assert sorted(option for (option, _sig) in cache) == sorted(map(str, OPTIONS))  # the cache names them
+    # The cache names them, and keep's forward alone (what offload's copies out hide behind, offload_plan.py).
+    assert sorted(option for (option, _sig) in cache) == sorted([*map(str, OPTIONS), "keep forward"])
     assert all(sig[0][0] == "Sequential" for (_option, sig) in cache)
     per_call = {option: s for (option, _sig), s in cache.items()}
+    forward = per_call.pop("keep forward")
     assert {str(o): s for o, s in times.seconds["used"].items()} == {option: 2 * s for option, s in per_call.items()}
+    assert times.forward_seconds == {"used": 2 * forward}  # a forward inside its own forward + backward
+    assert 0 < forward < per_call["keep"]
 
 
 def test_alike_layers_are_timed_once() -> None:
@@ -151,19 +155,20 @@ def test_alike_layers_are_timed_once() -> None:
     cache: dict = {}
     names = [f"blocks.{i}" for i in range(3)]
     times = _measure(model, names, lambda: model.loss((x, y)), cache=cache)
-    assert len(cache) == len(OPTIONS)
+    assert len(cache) == len(OPTIONS) + 1  # and keep's forward alone
     assert times.seconds["blocks.0"] == times.seconds["blocks.1"] == times.seconds["blocks.2"]
+    assert times.forward_seconds["blocks.0"] == times.forward_seconds["blocks.1"] == times.forward_seconds["blocks.2"]
 
 
 def test_the_cache_keeps_timings_per_input_shape() -> None:
     model = small_gpt()
     cache: dict = {}
     first = _measure(model, BLOCKS, lambda: model.loss(gpt_batch(model, batch=2)), cache=cache)
-    assert len(cache) == len(OPTIONS)  # alike blocks share one timing
+    assert len(cache) == len(OPTIONS) + 1  # alike blocks share one timing (and one of keep's forward alone)
     again = _measure(model, BLOCKS, lambda: model.loss(gpt_batch(model, batch=2)), cache=cache)
     assert again.seconds == first.seconds  # read back, not timed again
     _measure(model, BLOCKS, lambda: model.loss(gpt_batch(model, batch=3)), cache=cache)
-    assert len(cache) == 2 * len(OPTIONS)  # another batch size: timed anew
+    assert len(cache) == 2 * (len(OPTIONS) + 1)  # another batch size: timed anew
 
 
 class _LivePeak(TorchDispatchMode):

@@ -61,7 +61,8 @@ def auto_plan(given: nn.Module, model: nn.Module, config: AutoConfig, names: lis
     backend = backend_of(config.compile)
     compiled = timed_compiled(config, backend, compiled_by_user(given, names))
     eager = not compiled and backend is None
-    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state, timing_forward, chains=chains)
+    measuring = Measuring(model, names, forward, compiled, config.preserve_rng_state, timing_forward, chains=chains,
+                          offload=config.offload)
     tried = strategies(measuring, eager)
     if config.read_memory is not None:
         steps = steps or ModuleSteps(model, lambda rows: step or forward, optimizers, lambda rows: held)

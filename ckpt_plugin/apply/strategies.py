@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ckpt_plugin.apply.segments import chain_problems
@@ -32,7 +33,9 @@ from ckpt_plugin.engine.treatment import Treatment
 from ckpt_plugin.engine.wrap import check_plan
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.sample import scalar
+from ckpt_plugin.planning.link import host_link
 from ckpt_plugin.planning.nofit import NoFit
+from ckpt_plugin.planning.offload_plan import Link
 from ckpt_plugin.planning.options import Option
 from ckpt_plugin.planning.planner import Plan, Profile
 from ckpt_plugin.planning.profile import (
@@ -60,17 +63,30 @@ class Measuring:
     # False where the layers run somewhere else than where they sit (each its own FSDP unit): a region over
     # several would recompute units FSDP has resharded, so only per-layer plans are made (apply/twin.py).
     chains: bool = True
+    offload: bool = True  # ckpt.offload: layers may be planned offload where a host link is measured
     _cache: ProfileCache = field(default_factory=ProfileCache)
     _profiles: dict[int, Profile] = field(default_factory=dict)
+    _link: tuple[Link | None, str] | None = None
 
     def run(self) -> Any:
         return scalar(self.forward())
 
+    @property
+    def link(self) -> tuple[Link | None, str]:
+        """(the host link offload is priced on, or None) and the plan's line where there is none; measured once,
+        on the device the model's parameters are on (``planning/link.py``)."""
+        if self._link is None:
+            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+            self._link = host_link(device, self.offload)
+        return self._link
+
     def profile(self, depth: int) -> Profile:
         if depth not in self._profiles:
             timed_on = self.run if self.timing_forward is None else lambda: scalar(self.timing_forward())
+            link, no_link = self.link if self.timed else (None, "")
             self._profiles[depth] = profile(self.model, self.names, self.run, timed=self.timed, compiled=self.compiled,
-                                            depth=depth, cache=self._cache, timing_forward=timed_on)
+                                            depth=depth, cache=self._cache, timing_forward=timed_on, link=link,
+                                            no_link=no_link)
         return self._profiles[depth]
 
 

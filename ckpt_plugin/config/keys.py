@@ -36,7 +36,9 @@ HELP: dict[str, str] = {
         "fits budget."
     ),
     "offload": (
-        "Keep what checkpointing still saves (the layers' inputs) in CPU memory (unset: false). full and selective."
+        "Keep what checkpointing still saves (the layers' inputs) in CPU memory (unset: false). full and selective. "
+        "auto: whether a layer may be planned offload or full+offload, priced by the copy time the step cannot hide "
+        "(unset: true; chosen only where a host link is measured: a GPU)."
     ),
     "policy": (
         "selective: the ops whose outputs are saved: matmuls, matmuls_no_batch, names (the tensors tagged with "

@@ -250,11 +250,13 @@ class AutoConfig(LayerSelection):
     compile: bool | str = False
     timing: str = "auto"  # auto, eager, compiled or a backend's name
     plan: str | os.PathLike | None = None  # a plan file's path
+    offload: bool = True  # layers may keep in host memory what they save, where a host link is measured (a GPU)
 
     def __post_init__(self) -> None:
         given = self.plan is not None  # the file decides what is wrapped: layers and budget (or memory) may be unset
         problems = [p for p in self._read_selection() if not (given and self.layers is None and p.key == "ckpt.layers")]
         problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)
+        problems += _check_bool("offload", self.offload)
         problems += self._read_fit()
         raise_problems(problems + compile_problems(self) + timing_problems(self.timing))
 

@@ -97,7 +97,7 @@ def _offloading() -> Callable[[], contextlib.AbstractContextManager]:
     from ckpt_plugin.engine.offload_copies import Offloader
 
     notice, offloader = NothingToMoveNotice(), Offloader()  # one host pool for the transform's calls
-    return lambda: offloading(notice=notice, offloader=offloader)
+    return lambda: offloading(notice=notice, offloader=offloader, per_tensor=False)  # a call: one region's inputs
 
 
 __all__ = ["checkpoint"]

@@ -51,11 +51,19 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ckpt_plugin._compat import StorageWeakRef, base_of, checkpoint_placeholder, outer_saved_tensors_hooks, version
+from ckpt_plugin._compat import (
+    StorageWeakRef,
+    base_of,
+    checkpoint_placeholder,
+    is_fake,
+    outer_saved_tensors_hooks,
+    version,
+)
 from ckpt_plugin.engine.offload_copies import HostCopy, Offloader
 
-__all__ = ["NothingToMoveNotice", "OffloadStats", "Offloading", "offloading", "should_move"]
+__all__ = ["OFFLOAD_MIN_BYTES", "NothingToMoveNotice", "OffloadStats", "Offloading", "offloading", "should_move"]
 
+OFFLOAD_MIN_BYTES = 1024  # storages under this stay on the device: the copy would cost more than it frees (torchtune's too)
 NOTHING_TO_MOVE = "ckpt.offload: the saved activations are already in CPU memory; there is nothing to move"
 
 def _rank_zero() -> bool:
@@ -72,7 +80,7 @@ def should_move(t: torch.Tensor, min_bytes: int) -> bool:
     root = base if base is not None else t  # a view of a weight is the weight
     if isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad):
         return False
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized:
+    if (type(t) is not torch.Tensor and not is_fake(t)) or t.layout != torch.strided or t.is_nested or t.is_quantized:
         return False
     if t.is_conj() or t.is_neg() or t.device.type == "meta":  # the bytes alone would lose the lazy bit
         return False
@@ -121,14 +129,17 @@ class Offloading(saved_tensors_hooks):
     # Tests empty it in a subclass to run the copy path on a CPU-only machine.
     _in_host_memory: tuple[str, ...] = ("cpu",)
 
-    def __init__(self, *, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None,
-                 offloader: Offloader | None = None) -> None:
+    def __init__(self, *, min_bytes: int = OFFLOAD_MIN_BYTES, notice: NothingToMoveNotice | None = None,
+                 offloader: Offloader | None = None, per_tensor: bool = True) -> None:
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"ckpt.offload: min_bytes must be a whole number of bytes >= 0, got {min_bytes!r}")
         self.min_bytes = min_bytes
         self.notice = notice if notice is not None else NothingToMoveNotice()  # shared by the caller's contexts
         # Shared by the caller's contexts too (an installation's layers): one pool, one order of calls per step.
         self.offloader = offloader if offloader is not None else Offloader()
+        # What the offloader orders as one call: each copied storage (a context around a whole forward, a chain of
+        # segments), or everything one use of the context copies (a layer's call: ``engine/wrap.py``).
+        self.per_tensor = per_tensor
         self.stats = OffloadStats()  # of the last use; a fresh one on every `with`
         self._copies: dict[tuple[StorageWeakRef, int], HostCopy] = {}  # (storage, version) -> copy, this use
         self._call: Any = None  # this use's call, as the offloader orders them (begun at the first copy)
@@ -147,6 +158,8 @@ class Offloading(saved_tensors_hooks):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self._copies.clear()  # the packed entries hold what they need
+        if self._call is not None:
+            self.offloader.end(self._call)  # earlier calls' bytes leave the device
         self._call = None
         nothing_moved = self.stats.already_on_cpu and not self.stats.moved_bytes
         if nothing_moved and exc[0] is None:
@@ -164,9 +177,14 @@ class Offloading(saved_tensors_hooks):
         key = (StorageWeakRef(t.untyped_storage()), version(t))
         copy = self._copies.get(key)
         if copy is None:
-            if self._call is None:  # begun at the first copy: a call that moves nothing takes no place in the order
-                self._call = self.offloader.begin()
-            copy = self._copies[key] = self.offloader.copy_out(t, self._call)
+            if self.per_tensor:
+                call = self.offloader.begin()
+                copy = self._copies[key] = self.offloader.copy_out(t, call)
+                self.offloader.end(call)
+            else:
+                if self._call is None:  # begun at the first copy: a call that moves nothing takes no place
+                    self._call = self.offloader.begin()
+                copy = self._copies[key] = self.offloader.copy_out(t, self._call)
             self.stats.moved_bytes += copy.nbytes
             self.stats.moved_storages += 1
         copy.packs += 1
@@ -193,8 +211,8 @@ class _Outer:
     unpack: Any
 
 
-def offloading(*, min_bytes: int = 1024, notice: NothingToMoveNotice | None = None,
-               offloader: Offloader | None = None) -> Offloading:
+def offloading(*, min_bytes: int = OFFLOAD_MIN_BYTES, notice: NothingToMoveNotice | None = None,
+               offloader: Offloader | None = None, per_tensor: bool = True) -> Offloading:
     """Context under which the tensors autograd saves for backward are kept in CPU memory.
 
     ``min_bytes``: storages smaller than this stay on the device (torchtune's
@@ -204,6 +222,8 @@ def offloading(*, min_bytes: int = 1024, notice: NothingToMoveNotice | None = No
     per notice); None: the context's own, said once however often the context is entered.
     ``offloader``: the :class:`~ckpt_plugin.engine.offload_copies.Offloader` (host pool, copy
     streams, the step's calls in order) shared by the contexts of one owner; None: the context's
-    own, reused however often the context is entered.
+    own, reused however often the context is entered. ``per_tensor``: each storage copied is one call of the
+    offloader's order (in flight out, then back ahead of use, ``ahead`` at a time): right for a context around
+    a whole forward; False: each use of the context is one call (an installation's layer, brought back whole).
     """
-    return Offloading(min_bytes=min_bytes, notice=notice, offloader=offloader)
+    return Offloading(min_bytes=min_bytes, notice=notice, offloader=offloader, per_tensor=per_tensor)

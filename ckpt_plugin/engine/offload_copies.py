@@ -1,9 +1,9 @@
 """The copies behind offloading: out to host memory on a side stream, back ahead of use in backward.
 
     offloader = Offloader()                 # one per installation: every offloaded layer of a model shares it
-    call = offloader.begin()                # a layer's call starts (forward)
+    call = offloader.begin()                # a layer's call starts (forward): its first copy
     copy = offloader.copy_out(t, call)      # a saved storage to host memory
-    offloader.end(call)
+    offloader.end(call)                     # the call ends: calls more than `ahead` before it leave the device
     t = offloader.bring_back(copy, layout)  # backward: its call's bytes, and the next calls' ahead of use
     offloader.free()                        # remove_checkpointing: the host pool goes
 
@@ -14,11 +14,16 @@ a 1,109 ms step when nothing overlapped; docs/gpu.md):
   compute stream (the copy reads finished data). The compute stream is captured
   *before* switching to the side stream: inside ``torch.cuda.stream(s)``,
   ``current_stream()`` is ``s`` (the trap torchtitan's async offload found).
-  ``record_stream`` keeps the allocator from handing the source block to another
-  tensor before the copy has run, so the compute stream waits only where the
-  device block would be reused. A call starting waits for the copies of the call
-  :attr:`Offloader.ahead` + 1 calls before it: at most ``ahead`` calls' bytes are
-  in flight, which is what the planner's peak counts (``planning/offload_plan.py``).
+  The source stays referenced (stashed) until a later call ends: then the compute
+  stream waits for its copy and lets it go, so its block returns to the compute
+  stream's pool in stream order (no ``record_stream``, whose blocks come back only
+  when the allocator next polls events: memory the host cannot bound). At the end
+  of each call, the calls more than :attr:`Offloader.ahead` before it are let go:
+  at most ``ahead`` calls' bytes stay on the device beside the running layer, in
+  the allocator's own order, which is what the planner's peak counts
+  (``planning/offload_plan.py``), and each copy has the next calls' forward to hide
+  behind. The last ``ahead`` calls are still stashed when backward reaches them:
+  their bytes never come back, they never left.
 - **Back, in backward.** Autograd unpacks a call's saved tensors when its layer's
   backward starts. Then that call's bytes come back (if not already here) and so
   do the next ``ahead`` calls' in backward order (the calls before it in forward),
@@ -40,15 +45,17 @@ reuse are tested where there is no GPU; only overlap and the allocator need one.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ckpt_plugin._compat import is_fake
 from ckpt_plugin.engine.host_pool import HostPool
 
-PREFETCH_AHEAD = 1  # calls whose copies may be in flight beside the running one, out and back
+PREFETCH_AHEAD = 1  # calls whose bytes may be on the device beside the running one: in flight out, or prefetched back
 
 
 @dataclass
@@ -59,6 +66,7 @@ class CopyStats:
     bytes_out: int = 0
     prefetched: int = 0  # storages brought back ahead of their unpack (a later call's, in backward order)
     on_demand: int = 0  # storages brought back at their own unpack: the first of a backward, or re-read
+    # (the last ``ahead`` calls of a forward are still on the device at their unpack: neither)
 
 
 class _Streams:
@@ -73,11 +81,14 @@ class _Streams:
 class _Call:
     """One offloaded call of a layer in one step: its copies (weakly), in the order they were made."""
 
-    __slots__ = ("copies", "fetched", "__weakref__")
+    __slots__ = ("copies", "fetched", "stashed", "before", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, before: _Call | None) -> None:
+        # The call before it in forward order (weakly: a call lives as long as its copies), for backward's prefetch.
+        self.before: weakref.ref[_Call] | None = weakref.ref(before) if before is not None else None
         self.copies: list[weakref.ref[HostCopy]] = []
         self.fetched = False  # its copies have been sent back (prefetched or on demand)
+        self.stashed = True  # its sources are still referenced on the device (until a later call ends)
 
     def alive(self) -> list[HostCopy]:
         return [c for ref in self.copies if (c := ref()) is not None]
@@ -87,19 +98,23 @@ class HostCopy:
     """The bytes of one device storage in host memory, the event that says they are there, and the way back."""
 
     __slots__ = ("host", "device", "nbytes", "call", "ready", "on_device", "arrived", "packs", "unpacks",
-                 "_restored", "_pool", "__weakref__")
+                 "source", "_restored", "_pool", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, call: _Call, pool: HostPool) -> None:
-        self.host, self.device, self.nbytes, self.call, self._pool = host, device, host.numel(), call, pool
+    def __init__(self, host: torch.Tensor | None, device: torch.device, call: _Call, pool: HostPool | None,
+                 nbytes: int | None = None) -> None:
+        self.host, self.device, self.call, self._pool = host, device, call, pool  # host None: a fake tensor's
+        self.nbytes = host.numel() if host is not None else nbytes
         self.ready: torch.cuda.Event | None = None  # recorded after the copy out (CUDA)
         self.on_device: torch.Tensor | None = None  # (nbytes,) uint8 on the device, once brought back
+        self.source: torch.Tensor | None = None  # the storage copied, (nbytes,) uint8, while its call is stashed
         self.arrived: torch.cuda.Event | None = None  # recorded after the copy back (CUDA)
         self.packs = 0  # saved tensors packed as views of it
         self.unpacks = 0
         self._restored: weakref.ref[torch.Tensor] | None = None  # a view given out, while autograd holds it
 
     def __del__(self) -> None:
-        self._pool.give_back()
+        if self._pool is not None:
+            self._pool.give_back()
 
 
 class Offloader:
@@ -116,7 +131,8 @@ class Offloader:
         self.pools = {pinned: HostPool(pinned) for pinned in (False, True)}
         self.stats = CopyStats()
         self._streams: dict[torch.device, _Streams] = {}
-        self._calls: list[_Call] = []  # this step's calls with copies alive, in forward order
+        self._last: weakref.ref[_Call] | None = None  # the call begun last (each links to the one before)
+        self._stashed: collections.deque[_Call] = collections.deque()  # calls whose sources are still referenced
 
     @property
     def host_allocations(self) -> int:
@@ -127,29 +143,48 @@ class Offloader:
         """Let go of the host memory (``remove_checkpointing``); copies still alive keep their own regions."""
         for pool in self.pools.values():
             pool.free()
-        self._calls = []
+        self._last = None
+        self._stashed.clear()
 
     # -- forward ---------------------------------------------------------------------------
 
     def begin(self) -> _Call:
-        """A call starts: drop finished calls, and on CUDA let at most ``ahead`` earlier calls' copies run on."""
-        self._calls = [c for c in self._calls if c.alive()]
-        if len(self._calls) > self.ahead:
-            for copy in self._calls[-1 - self.ahead].alive():
-                if copy.ready is not None:
-                    torch.cuda.current_stream(copy.device).wait_event(copy.ready)
-        call = _Call()
-        self._calls.append(call)
+        """A call starts, after the one begun last (a call of the step before has no copy left by then: its
+        backward freed them, so backward never reaches back into it)."""
+        call = _Call(self._last() if self._last is not None else None)
+        self._last = weakref.ref(call)
+        self._stashed.append(call)
         return call
 
+    def end(self, call: _Call) -> None:
+        """A call ends: the calls more than ``ahead`` before it leave the device, the compute stream waiting for
+        their copies out first (a stashed source is then free to reuse, in the compute stream's order)."""
+        while len(self._stashed) > self.ahead:
+            self._let_go(self._stashed.popleft())
+
+    def _let_go(self, call: _Call) -> None:
+        call.stashed = False
+        for copy in call.alive():
+            if copy.ready is not None:
+                torch.cuda.current_stream(copy.device).wait_event(copy.ready)
+            copy.source = None
+
     def copy_out(self, t: torch.Tensor, call: _Call) -> HostCopy:
-        """``t``'s whole storage in host memory, queued (CUDA) or done (elsewhere)."""
+        """``t``'s whole storage in host memory, queued (CUDA) or done (elsewhere). A fake tensor (a plan's step
+        measured, ``measure/fake.py``) is only let go: its bytes come back as a fresh fake tensor, allocated
+        when they would be, so that measurements see the device's side of offload."""
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # (nbytes,)
-        pool = self.pools[t.is_cuda]
-        copy = HostCopy(pool.take(src.numel()), t.device, call, pool)
+        if is_fake(t):
+            copy = HostCopy(None, t.device, call, None, src.numel())
+        else:
+            pool = self.pools[t.is_cuda]
+            copy = HostCopy(pool.take(src.numel()), t.device, call, pool)
         call.copies.append(weakref.ref(copy))
+        copy.source = src  # stashed until a later call ends (``end``)
         self.stats.copies_out += 1
         self.stats.bytes_out += copy.nbytes
+        if copy.host is None:
+            return copy
         if not t.is_cuda:
             copy.host.copy_(src)
             return copy
@@ -161,8 +196,7 @@ class Offloader:
             streams.pool_generation = pool.started_over
         with torch.cuda.stream(streams.out):
             copy.host.copy_(src, non_blocking=True)
-        src.record_stream(streams.out)  # src's block is not reused before the copy has run
-        copy.ready = streams.out.record_event()
+        copy.ready = streams.out.record_event()  # the compute stream waits on it before letting src go
         return copy
 
     # -- backward --------------------------------------------------------------------------
@@ -173,10 +207,13 @@ class Offloader:
         order, sent back now if they were not yet. Views unpacked by the same node share one copy back."""
         copy.unpacks += 1
         alive = copy._restored() if copy._restored is not None else None
+        compute = torch.cuda.current_stream(copy.device) if copy.device.type == "cuda" else None
         if alive is not None:
             storage = alive.untyped_storage()
+        elif copy.source is not None:  # never left the device: its call was among the last `ahead` of the forward
+            self._fetch_ahead(copy.call, compute)
+            storage = copy.source.untyped_storage()
         else:
-            compute = torch.cuda.current_stream(copy.device) if copy.device.type == "cuda" else None
             if copy.on_device is None:
                 if copy.call.fetched:  # brought back before and let go (a second backward): again, now
                     self.stats.on_demand += 1
@@ -195,11 +232,12 @@ class Offloader:
         return view
 
     def _fetch_ahead(self, call: _Call, compute: Any) -> None:
-        at = next((i for i in range(len(self._calls) - 1, -1, -1) if self._calls[i] is call), None)
-        if at is None:
-            return
-        for earlier in reversed(self._calls[max(at - self.ahead, 0):at]):
-            if not earlier.fetched:
+        earlier = call
+        for _ in range(self.ahead):
+            earlier = earlier.before() if earlier.before is not None else None
+            if earlier is None:
+                return
+            if not earlier.fetched and not earlier.stashed:
                 self._fetch(earlier, compute, on_demand=False)
 
     def _fetch(self, call: _Call, compute: Any, on_demand: bool) -> None:
@@ -213,9 +251,10 @@ class Offloader:
                     self.stats.prefetched += 1
 
     def _send_back(self, copy: HostCopy, compute: Any) -> None:
-        if compute is None:  # not CUDA: a plain copy
+        if compute is None or copy.host is None:  # not CUDA: a plain copy; a fake tensor's: allocated only
             copy.on_device = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
-            copy.on_device.copy_(copy.host)
+            if copy.host is not None:
+                copy.on_device.copy_(copy.host)
             return
         back = self._streams_of(copy.device).back
         if copy.ready is not None:

@@ -49,12 +49,13 @@ class Treatment:
         """Whether a call starting now checks its recomputation, naming the module (read per call)."""
         return self.check_recompute or recomputation_checked()
 
-    def offloading(self, offloader: Offloader | None) -> contextlib.AbstractContextManager:
+    def offloading(self, offloader: Offloader | None, per_tensor: bool = False) -> contextlib.AbstractContextManager:
         """The context one call runs in: offloading through ``offloader`` (its installation's, shared by all its
-        offloaded layers: one host pool, the step's calls in order) where this treatment offloads."""
+        offloaded layers: one host pool, the step's calls in order) where this treatment offloads; each call one
+        in the offloader's order, or each storage it copies where ``per_tensor`` (a chain's one context)."""
         if not self.offload:
             return contextlib.nullcontext()
-        return offloading(notice=self.notice, offloader=offloader)
+        return offloading(notice=self.notice, offloader=offloader, per_tensor=per_tensor)
 
     def context_fn(self, stats: list, label: str | None = None, name: str | None = None,
                    ) -> Callable[[], tuple] | None:

@@ -20,9 +20,11 @@ from ckpt_plugin._compat import keystr, tree_flatten_with_path, tree_leaves, tre
 
 
 def time_calls(runs: dict[str, Callable[..., Any]], args: tuple, kwargs: dict, params: list[nn.Parameter],
-               repeats: int, now: Callable[[], float]) -> dict[str, float]:
-    """Median seconds of ``run`` forward + backward per option, options interleaved, after one warm-up each."""
+               repeats: int, now: Callable[[], float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of ``run`` forward + backward per option, options interleaved, after one warm-up each; and
+    of its forward alone (what a copy out can hide behind: ``offload_plan.py``), read in the same calls."""
     samples: dict[str, list[float]] = {option: [] for option in runs}
+    forwards: dict[str, list[float]] = {option: [] for option in runs}
     for round_ in range(repeats + 1):
         for option, run in runs.items():
             inputs_args, inputs_kwargs = tree_map(fresh, (args, kwargs))
@@ -30,15 +32,18 @@ def time_calls(runs: dict[str, Callable[..., Any]], args: tuple, kwargs: dict, p
                 p.grad = None
             start = now()
             out = run(*inputs_args, **inputs_kwargs)
+            forward = now() - start
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
                 torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             if round_:  # round 0 warms up
                 samples[option].append(now() - start)
+                forwards[option].append(forward)
             del out, outputs, inputs_args, inputs_kwargs
     for p in params:
         p.grad = None
-    return {option: statistics.median(s) for option, s in samples.items()}
+    return ({option: statistics.median(s) for option, s in samples.items()},
+            {option: statistics.median(s) for option, s in forwards.items()})
 
 
 def fresh(x: Any) -> Any:

@@ -31,6 +31,9 @@ class LayerTimes:
     # What the rest of the model keeps when the whole step runs compiled with every layer ``full`` (None: not
     # measured; see ``measure_layer_times``' ``whole_step``).
     compiled_rest_bytes: int | None = None
+    # layer -> its forward alone under keep, summed over calls (read in the same timed calls): what offload's copies
+    # out can hide behind (offload_plan.py); {} where not timed so.
+    forward_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def how(self) -> str:

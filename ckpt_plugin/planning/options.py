@@ -6,6 +6,7 @@
     FULL.with_parts(1)        # full, the 1st choice of its parts checkpointed inside its recomputation
     str(FULL.with_parts(1))   # 'full+inside#1': how plans, plan files and messages name it
     parse("full+inside#1")    # back from that name: only where a name comes in from outside (a plan file)
+    OFFLOAD, FULL_OFFLOAD     # 'offload', 'full+offload': what keep or full keeps, in host memory (offload_plan.py)
 
 The planner, the profile and the timing decide by the fields; the names are
 for people and files, and they are the ones plans have always printed.
@@ -52,10 +53,12 @@ class Option:
     itself: Itself
     policy: str | None = None
     parts: int | None = None
+    offload: bool = False  # what the layer keeps (keep: its saved tensors; full: its inputs) lives in host memory
 
     def __post_init__(self) -> None:
         assert (self.policy in _SELECTIVE_NAMES) == (self.itself is Itself.SELECTIVE), self
         assert self.parts is None or self.itself in (Itself.INSIDE, Itself.FULL) and self.parts >= 1, self
+        assert not self.offload or self.itself in (Itself.KEEP, Itself.FULL) and self.parts is None, self
 
     @property
     def checkpoints(self) -> bool:
@@ -74,13 +77,15 @@ class Option:
 
     def __lt__(self, other: Option) -> bool:
         # The planner's frontiers break exact ties by comparing choices, option by option: in the order of the
-        # options' names (full < full+inside#1 < inside#1 < keep < selective < selective_nb), as they always
-        # have, so that plans stay as they are.
+        # options' names (full < full+inside#1 < full+offload < inside#1 < keep < offload < selective <
+        # selective_nb), as they always have, so that plans stay as they are.
         if not isinstance(other, Option):
             return NotImplemented
         return str(self) < str(other)
 
     def __str__(self) -> str:
+        if self.offload:
+            return "offload" if self.itself is Itself.KEEP else "full+offload"
         if self.parts is not None:
             return f"inside#{self.parts}" if self.itself is Itself.INSIDE else f"full+inside#{self.parts}"
         if self.itself is Itself.SELECTIVE:
@@ -93,12 +98,16 @@ SELECTIVE = Option(Itself.SELECTIVE, "matmuls")
 SELECTIVE_NB = Option(Itself.SELECTIVE, "matmuls_no_batch")
 FULL = Option(Itself.FULL)
 INSIDE = Option(Itself.INSIDE)  # a layer's kind where it runs unwrapped with parts checkpointed; parts: .with_parts(k)
+OFFLOAD = Option(Itself.KEEP, offload=True)  # not checkpointed, its saved tensors in host memory
+FULL_OFFLOAD = Option(Itself.FULL, offload=True)  # checkpointed, its inputs in host memory
 
 # A layer's own options, in order of intrusiveness: ties in cost go to the earlier (planner.py).
 OPTIONS = (KEEP, SELECTIVE, SELECTIVE_NB, FULL)
+# Where a host link was measured (offload_plan.py): priced from keep's and full's costs, never stepped on their own.
+OFFLOAD_OPTIONS = (OFFLOAD, FULL_OFFLOAD)
 PART_OPTIONS = (KEEP, SELECTIVE, FULL)  # a layer's parts (inside.py): one memory step less per level
 
-_NAMED = re.compile(r"(?:(?P<full>full\+)?inside#(?P<parts>[1-9][0-9]*))|(?P<own>[a-z_]+)")
+_NAMED = re.compile(r"(?:(?P<full>full\+)?inside#(?P<parts>[1-9][0-9]*))|(?P<own>[a-z_]+|full\+offload)")
 
 
 def parse(name: str) -> Option:
@@ -106,7 +115,7 @@ def parse(name: str) -> Option:
 
     Raises ValueError for a name no option has.
     """
-    own = {str(o): o for o in (*OPTIONS, INSIDE)}
+    own = {str(o): o for o in (*OPTIONS, INSIDE, *OFFLOAD_OPTIONS)}
     match = _NAMED.fullmatch(name) if isinstance(name, str) else None
     if match is None or match["own"] is not None and match["own"] not in own:
         raise ValueError(f"{name!r} names no option of ckpt=auto; options: {', '.join(own)}, inside#<k>, "
@@ -116,5 +125,5 @@ def parse(name: str) -> Option:
     return (FULL if match["full"] else INSIDE).with_parts(int(match["parts"]))
 
 
-__all__ = ["FULL", "INSIDE", "KEEP", "OPTIONS", "Itself", "Option", "PART_OPTIONS", "SELECTIVE", "SELECTIVE_NB",
-           "parse"]
+__all__ = ["FULL", "FULL_OFFLOAD", "INSIDE", "KEEP", "OFFLOAD", "OFFLOAD_OPTIONS", "OPTIONS", "Itself", "Option",
+           "PART_OPTIONS", "SELECTIVE", "SELECTIVE_NB", "parse"]

@@ -39,6 +39,8 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.planning.nofit import NoFit
+from ckpt_plugin.planning.offload_plan import Clocks, fastest_as_simulated, simulated_seconds
+from ckpt_plugin.engine.offload_copies import PREFETCH_AHEAD
 from ckpt_plugin.planning.options import KEEP, OPTIONS, Option
 from ckpt_plugin.units import format_bytes
 
@@ -64,6 +66,10 @@ class Cost:
     themselves inside), in the order they run, a part's own parts after it;
     ``backward_running``: for a part, its running bytes when it runs inside its
     layer's recomputation, in backward, where the loss is alive too (None: not measured).
+    For an offload option (``offload_plan.py``): ``moved_bytes`` of what the option it
+    offloads keeps leave the device (in flight beside the next layers until copied, and back
+    beside the layer before it in backward), its copies carry ``copied_bytes`` each way, and
+    ``exposed_seconds`` of its ``seconds`` are copy time the compute does not hide.
     """
 
     kept_bytes: int
@@ -72,6 +78,9 @@ class Cost:
     seconds: float = 0.0
     parts: tuple[Part, ...] = ()
     backward_running: int | None = None
+    moved_bytes: int = 0
+    copied_bytes: int = 0
+    exposed_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,10 @@ class Profile:
     # A plan's activation peak, measured (profile.py: one step on fake tensors with the plan on); None: not offered.
     measure: Callable[[Plan], int] | None = field(default=None, compare=False, repr=False)
     regrouped: tuple[str, ...] = ()  # layers measured as op groups (op_groups.py): their parts are groups
+    # Offload (offload_plan.py): the timeline its options are priced on (None: no link, none offered), and the
+    # line plans say of it (the link, or why offload was no option; "": not considered).
+    clocks: Clocks | None = field(default=None, compare=False, repr=False)
+    offload_note: str = ""
 
     def plan(self, budget_bytes: int) -> Plan:
         """:meth:`fit`, raising the one "cannot be met" :class:`ConfigError` where no plan fits."""
@@ -118,7 +131,8 @@ class Profile:
         layers, measured = self.layers, []
         for _ in range(_TRIES):
             chosen = choose(layers, self.rest_bytes, budget_bytes, rest_running=self.rest_running,
-                            reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds)
+                            reference_peak=self.no_ckpt_peak, none_seconds=self.none_seconds, clocks=self.clocks,
+                            offload_note=self.offload_note)
             if isinstance(chosen, NoFit):  # none predicted to fit: the least plan may measure less than predicted
                 break
             chosen = replace(chosen, budget_bytes=budget_bytes, timed_as=self.timed_as)
@@ -144,6 +158,8 @@ class Profile:
         if self.measure is None:
             return chosen
         peak = self.measure(chosen)
+        if any(o.offload for o in chosen.keys):  # fake steps see no copy in flight nor prefetched: the model does
+            peak = max(peak, chosen.predicted_peak)
         if not said and peak == chosen.predicted_peak:
             return chosen
         return replace(chosen, predicted_peak=peak, peak_measured=True)
@@ -162,9 +178,10 @@ class Profile:
         """
         layers, best, seen = self.layers, None, set()
         for _ in range(_TRIES):
-            chosen = plan(layers, self.rest_bytes, smallest_peak(layers, self.rest_running),
+            ahead = self.clocks.ahead if self.clocks is not None else PREFETCH_AHEAD
+            chosen = plan(layers, self.rest_bytes, smallest_peak(layers, self.rest_running, ahead),
                           rest_running=self.rest_running, reference_peak=self.no_ckpt_peak,
-                          none_seconds=self.none_seconds)
+                          none_seconds=self.none_seconds, clocks=self.clocks, offload_note=self.offload_note)
             chosen = replace(chosen, timed_as=self.timed_as)
             if self.measure is None or len(chosen.choices) == len(self.layers):  # nothing inside: exact, or measured
                 chosen = self._measured(chosen)
@@ -216,11 +233,15 @@ class Plan:
     timed_as: str = ""  # how the options were timed (Profile.timed_as)
     peak_measured: bool = False  # predicted_peak is the plan's own, measured on fake tensors (Profile.plan)
     keys: tuple[Option, ...] = ()  # each layer's option as its profile has it (``inside#3``), in layer order
+    offload_bytes: int = 0  # what the offloaded layers copy out (and back) per step
+    offload_exposed_seconds: float = 0.0  # the copy time the compute does not hide, simulated (offload_plan.py)
+    offload_note: str = ""  # the link offload was priced on, or why it was no option ("": not considered)
 
     @property
     def predicted_time_ratio(self) -> float | None:
         """The step with this plan over the step without checkpointing, predicted; None if not timed."""
-        return (self.none_seconds + self.recompute_seconds) / self.none_seconds if self.none_seconds > 0 else None
+        added = self.recompute_seconds + self.offload_exposed_seconds
+        return (self.none_seconds + added) / self.none_seconds if self.none_seconds > 0 else None
 
     def __str__(self) -> str:
         # A part is indented under its layer (and a part's part under it): depth = listed ancestors.
@@ -242,9 +263,16 @@ class Plan:
         if shown != names:
             lines.append("indented: parts checkpointed inside the layer above (inside: the layer runs unwrapped; "
                          "under a full layer: inside its recomputation); the layer's row includes them")
+        if self.offload_bytes:
+            lines.append(f"offloads {format_bytes(self.offload_bytes)} per step each way; "
+                         f"{1e3 * self.offload_exposed_seconds:.1f} ms of the copies exposed (two streams simulated "
+                         f"over the layers' times)")
+        if self.offload_note:
+            lines.append(self.offload_note)
         if self.predicted_time_ratio is not None:
+            copies = f" and {1e3 * self.offload_exposed_seconds:+.1f} ms of copies" if self.offload_bytes else ""
             lines.append(f"predicted step time {self.predicted_time_ratio:.2f}x that without checkpointing "
-                         f"({1e3 * self.recompute_seconds:+.1f} ms of recomputation, measured layer by layer"
+                         f"({1e3 * self.recompute_seconds:+.1f} ms of recomputation{copies}, measured layer by layer"
                          + (f", {self.timed_as})" if self.timed_as else ")"))
         elif self.timed_as:  # timed, but the step without checkpointing came out <= 0 (noise on a loaded machine)
             lines.append(f"options chosen by added step time ({1e3 * self.recompute_seconds:+.1f} ms of "
@@ -271,50 +299,71 @@ def _cost(option: Option, cost: Cost) -> tuple[float, int, int]:
 
 
 def predicted_peak(profiles: list[LayerProfile], chosen: tuple[Option, ...],
-                   rest_running: int = 0) -> tuple[int, str]:
+                   rest_running: int = 0, ahead: int = PREFETCH_AHEAD) -> tuple[int, str]:
     """The peak model above for one choice of options, and where the peak falls (a layer, or REST).
 
     The rest's kept bytes are inside every running-bytes figure, so they take no term of their own.
+    What the last ``ahead`` offloaded layers move counts beside every later layer's running bytes and
+    the rest's (``offload_plan.py``: in flight out in forward, prefetched back in backward).
     """
-    kept, at = 0, REST
-    peak = sum(p.options[o].kept_bytes for p, o in zip(profiles, chosen)) + rest_running
+    kept, pending, terms = 0, (), []
     for layer, option in zip(profiles, chosen):
         cost = layer.options[option]
-        if kept + cost.running_bytes > peak:
-            peak, at = kept + cost.running_bytes, layer.name
+        terms.append((kept + cost.running_bytes + sum(pending), layer.name))
         kept += cost.kept_bytes
+        pending = _after(pending, cost, ahead)
+    peak, at = kept + rest_running + sum(pending), REST
+    for term, name in terms:
+        if term > peak:
+            peak, at = term, name
     return peak, at
 
 
-def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int):
+def _after(pending: tuple[int, ...], cost: Cost, ahead: int) -> tuple[int, ...]:
+    """The bytes moved by the last ``ahead`` offloaded layers, once a layer under ``cost`` has run: the
+    dynamic programmes' state beside the bytes kept so far (a single empty state without offload)."""
+    if not cost.moved_bytes or not ahead:
+        return pending
+    return (*pending, cost.moved_bytes)[-ahead:]
+
+
+def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int, ahead: int = PREFETCH_AHEAD):
     """(cost, choices) of the least recompute whose peak fits ``budget``, or None.
 
     Frontier entries are (bytes kept so far, cost, choices): bytes ascending, cost
     strictly descending. Keeping fewer bytes never makes a later option infeasible,
-    so a dominated entry can never be completed more cheaply.
+    so a dominated entry can never be completed more cheaply. One frontier per state
+    of what the last offloaded layers moved (:func:`_after`): one in all without offload.
     """
-    frontier: list[tuple[int, tuple[float, int, int], tuple[Option, ...]]] = [(0, (0.0, 0, 0), ())]
+    frontiers: dict[tuple[int, ...], list] = {(): [(0, (0.0, 0, 0), ())]}
     for layer in profiles:
-        grown = sorted(
-            (kept + c.kept_bytes, (seconds + t, flops + f, level + n), chosen + (o,))
-            for kept, (seconds, flops, level), chosen in frontier
-            for o, c in layer.options.items()
-            for t, f, n in [_cost(o, c)]
-            if kept + c.running_bytes <= budget
-        )
-        frontier = pareto(grown, lambda entry: entry[:2])
-    fits = [(cost, chosen) for kept, cost, chosen in frontier if kept + rest_running <= budget]
+        grown: dict[tuple[int, ...], list] = {}
+        for pending, frontier in frontiers.items():
+            for kept, (seconds, flops, level), chosen in frontier:
+                for o, c in layer.options.items():
+                    if kept + c.running_bytes + sum(pending) <= budget:
+                        t, f, n = _cost(o, c)
+                        grown.setdefault(_after(pending, c, ahead), []).append(
+                            (kept + c.kept_bytes, (seconds + t, flops + f, level + n), chosen + (o,)))
+        frontiers = {pending: pareto(sorted(entries), lambda entry: entry[:2]) for pending, entries in grown.items()}
+    fits = [(cost, chosen) for pending, frontier in frontiers.items() for kept, cost, chosen in frontier
+            if kept + rest_running + sum(pending) <= budget]
     return min(fits) if fits else None
 
 
-def smallest_peak(profiles: list[LayerProfile], rest_running: int = 0) -> int:
-    """The least predicted peak any choice reaches: a frontier of (bytes kept so far, running peak)."""
-    frontier = [(0, 0)]
+def smallest_peak(profiles: list[LayerProfile], rest_running: int = 0, ahead: int = PREFETCH_AHEAD) -> int:
+    """The least predicted peak any choice reaches: a frontier of (bytes kept so far, running peak) per state."""
+    frontiers: dict[tuple[int, ...], list] = {(): [(0, 0)]}
     for layer in profiles:
-        grown = sorted({(kept + c.kept_bytes, max(peak, kept + c.running_bytes))
-                        for kept, peak in frontier for c in layer.options.values()})
-        frontier = pareto(grown, lambda entry: entry)
-    return min(max(peak, kept + rest_running) for kept, peak in frontier)
+        grown: dict[tuple[int, ...], set] = {}
+        for pending, frontier in frontiers.items():
+            for kept, peak in frontier:
+                for c in layer.options.values():
+                    grown.setdefault(_after(pending, c, ahead), set()).add(
+                        (kept + c.kept_bytes, max(peak, kept + c.running_bytes + sum(pending))))
+        frontiers = {pending: pareto(sorted(entries), lambda entry: entry) for pending, entries in grown.items()}
+    return min(max(peak, kept + rest_running + sum(pending))
+               for pending, frontier in frontiers.items() for kept, peak in frontier)
 
 
 def plan(profiles: list[LayerProfile], rest_bytes: int, budget_bytes: int, **options: Any) -> Plan:
@@ -330,13 +379,17 @@ def choose(
     rest_running: int = 0,
     reference_peak: int | None = None,
     none_seconds: float = 0.0,
+    clocks: Clocks | None = None,
+    offload_note: str = "",
 ) -> Plan | NoFit:
     """The choice of options with the least added step time (then FLOPs) whose predicted peak fits ``budget_bytes``;
     a :class:`NoFit` with the least peak any choice reaches where none does.
 
     ``profiles`` are in the order the layers run. Ties go to the less
     intrusive options. ``reference_peak`` (the activation peak without
-    checkpointing) only words errors.
+    checkpointing) only words errors. ``clocks``: where layers have offload options
+    (``offload_plan.py``), the timeline that prices the copies the plan exposes (the plan
+    kept is the fastest as simulated); ``offload_note``: the plan's line on offload.
     """
     if not profiles:
         raise ValueError("ckpt=auto: nothing to choose from: ckpt.layers selected no layers; name the "
@@ -348,7 +401,11 @@ def choose(
         # that two layers keep).
         best = ((0.0, 0, 0), tuple(KEEP for _ in profiles))
     else:
-        best = _cheapest(profiles, budget_bytes, rest_running)
+        ahead = clocks.ahead if clocks is not None else PREFETCH_AHEAD
+        best = _cheapest(profiles, budget_bytes, rest_running, ahead)
+        if best is not None and clocks is not None and any(o.offload for o in best[1]):
+            best = fastest_as_simulated(profiles, best, lambda layers: _cheapest(layers, budget_bytes, rest_running,
+                                                                                 ahead), clocks)
     if best is None:
         smallest = smallest_peak(profiles, rest_running)
         # Without a measured reference, the model's own peak with every layer kept (or keeping the most).
@@ -357,7 +414,12 @@ def choose(
         reference = reference_peak or predicted_peak(profiles, most, rest_running)[0]
         return NoFit(budget_bytes, smallest, reference)
     cost, chosen = best
-    peak, at = predicted_peak(profiles, chosen, rest_running)
+    peak, at = predicted_peak(profiles, chosen, rest_running, clocks.ahead if clocks is not None else PREFETCH_AHEAD)
+    seconds, exposed, moved = cost[0], 0.0, 0
+    if any(o.offload for o in chosen):  # priced by the timeline, not by the options' sum
+        seconds, exposed = simulated_seconds(profiles, chosen, clocks)
+        seconds -= exposed
+        moved = sum(p.options[o].copied_bytes for p, o in zip(profiles, chosen) if o.offload)
     if reference_peak is not None and set(chosen) == {KEEP}:
         peak, at = min(peak, reference_peak), at  # nothing checkpointed: the measured peak is the peak
     listed = []  # each layer under its option's kind, then the parts it checkpoints inside it
@@ -368,7 +430,7 @@ def choose(
     return Plan(
         choices={name: option for name, option, _, _ in listed},
         recompute_flops=cost[1],
-        recompute_seconds=cost[0],
+        recompute_seconds=seconds,
         predicted_peak=peak,
         budget_bytes=budget_bytes,
         rows=rows,
@@ -376,4 +438,7 @@ def choose(
         peak_at=at,
         none_seconds=none_seconds,
         keys=chosen,
+        offload_bytes=moved,
+        offload_exposed_seconds=exposed,
+        offload_note=offload_note,
     )

@@ -45,6 +45,7 @@ from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.measure.values import with_values_replayed
 from ckpt_plugin.planning.inside import with_inside
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
+from ckpt_plugin.planning.offload_plan import Link, Moves, with_offload
 from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, SELECTIVE_NB, Option
 from ckpt_plugin.planning.parts import measure_parts, ran_as_groups, regrouped_while
 from ckpt_plugin.planning.planner import Cost, LayerProfile, Plan, Profile
@@ -73,7 +74,8 @@ class ProfileCache:
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
             timed: bool = False, compiled: Mapping[Option, str] | None = None, depth: int = 0,
-            cache: ProfileCache | None = None, timing_forward: Callable[[], Any] | None = None) -> Profile:
+            cache: ProfileCache | None = None, timing_forward: Callable[[], Any] | None = None,
+            link: Link | None = None, no_link: str = "") -> Profile:
     """Measure every option of every candidate layer (qualified names) on fake tensors.
 
     ``forward()`` runs the model on a sample batch and returns the loss. Three
@@ -97,7 +99,8 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
     again (deeper) neither steps nor times its layers again. ``timing_forward``: the forward the options are
     timed on, on real tensors (``ckpt.batch=max`` plans a larger batch than the loader's, and times on the
     loader's: the options' added times scale alike with the batch, so the planner's choice does not change);
-    ``forward`` by default.
+    ``forward`` by default. ``link``: where timed, each layer gets offload options too, priced on this host link
+    (``offload_plan.py``); None: none, and the plan says ``no_link`` of it (``link.host_link`` words it).
     """
     names = list(dict.fromkeys(names))
     check_candidates(model, names)
@@ -106,14 +109,15 @@ def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, f
         with checkpointing_disabled(model), contextlib.ExitStack() as stack:
             return _profile(model, names, forward, fake=fake, timed=timed, compiled=compiled, depth=depth,
                             cache=ProfileCache() if cache is None else cache, stack=stack,
-                            timing_forward=timing_forward or forward)
+                            timing_forward=timing_forward or forward, link=link, no_link=no_link)
 
     return with_values_replayed(model, forward, measured) if fake else measured()
 
 
 def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool, timed: bool,
              compiled: Mapping[Option, str] | None, depth: int, cache: ProfileCache,
-             stack: contextlib.ExitStack, timing_forward: Callable[[], Any]) -> Profile:
+             stack: contextlib.ExitStack, timing_forward: Callable[[], Any], link: Link | None,
+             no_link: str) -> Profile:
     """:func:`profile`, with the layers unwrapped. The layers are stepped as they are; for their parts
     (``depth``), those with op groups run regrouped (``op_groups.py``) until ``stack`` closes."""
     silenced = cache_warnings_silenced()  # its wrappers are for a moment: the installation warns, once
@@ -134,6 +138,7 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
                 stepped, {option: dict(r.flops) if option != KEEP else {} for option, r in stepped.items()}, lacking)
         recorders, flops, lacking = cache.steps[tuple(names), fake]
         memory = {option: recorder.analyse() for option, recorder in recorders.items()}
+        moved = {option: recorders[option].moves(recorders[option].kept_owner) for option in (KEEP, FULL)}
         forward_running = {name: recorders[FULL].unit_forward.get((name, 0), 0) for name in names}
         grouped = ran_as_groups(model, names, forward, mode, stack.enter_context(regrouped_while(model, names))) \
             if depth else ()
@@ -174,7 +179,9 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
                                     compiled={o: b for o, b in (compiled or {}).items() if o in offered},
                                     parts=timed_parts, cache=cache.timings, whole_step=KEEP in (compiled or {}),
                                     layer_options={layer.name: list(layer.options) for layer in measured.layers})
-    return with_times(measured, times)
+    moves = {name: Moves({o: moved[o][0].get(name, 0) for o in moved}, {o: moved[o][1].get(name, 0) for o in moved})
+             for name in names}
+    return with_offload(with_times(measured, times), times, moves, link, no_link)
 
 
 def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:

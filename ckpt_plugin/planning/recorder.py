@@ -29,6 +29,7 @@ from torch import nn
 
 from ckpt_plugin._compat import TorchDispatchMode, checkpoint_placeholder, is_fake, op_flops, tree_leaves
 from ckpt_plugin.config.policy import BATCHED_MATMULS
+from ckpt_plugin.engine.offload import OFFLOAD_MIN_BYTES, should_move
 from ckpt_plugin.measure.memory import REST
 
 
@@ -63,6 +64,8 @@ class Recorder(TorchDispatchMode):
         self.backward_held = 0  # analyse(): bytes made after the layers' forward and alive, unkept, through backward
         self.late_alive = 0  # analyse(): the most made after the layers' forward (the loss, its targets) alive in a recomputation
         self.order: list[str] = []  # the layers in the order they first ran forward
+        self.movable: dict[int, tuple[int, set[str]]] = {}  # uid -> (bytes, windows whose ops saved it), if offload moves it
+        self.kept_owner: dict[int, str] = {}  # analyse(): uid -> the window its kept bytes count in
         # Windows inside windows (a layer's parts, inside.py): each call of a window runs in units, its own
         # ops before its first part, between two parts, after the last (unit j: after j parts), and each part.
         self.calls: dict[str, int] = defaultdict(int)  # window -> its calls in forward
@@ -131,12 +134,35 @@ class Recorder(TorchDispatchMode):
         return self.total_flops
 
     def keep(self, t: Any, owner: str | None = None) -> Any:
-        """saved_tensors_hooks' pack: ``t`` is kept for backward by the layer running."""
+        """saved_tensors_hooks' pack: ``t`` is kept for backward by the layer running (``owner``: by that layer,
+        which holds its inputs under every option, whether its ops save them or not)."""
         if isinstance(t, torch.Tensor) and not checkpoint_placeholder(t):  # torch 2.11's 0-byte one: not kept
             uid = self._uid(t, create=False)
             if uid is not None:
-                self.events.append(("pack", uid, owner or (self.stack[-1] if self.stack else REST)))
+                window = owner or (self.stack[-1] if self.stack else REST)
+                self.events.append(("pack", uid, window))
+                if owner is None and should_move(t, OFFLOAD_MIN_BYTES):  # saved by an op: offload would move it
+                    self.movable.setdefault(uid, (t.untyped_storage().nbytes(), set()))[1].add(window)
         return t
+
+    def moves(self, kept_owner: dict[int, str]) -> tuple[dict[str, int], dict[str, int]]:
+        """(device bytes offload would free, bytes its copies would carry) by layer, from the kept storages'
+        owners (``analyse``). Copied: every storage an op of the layer saved that would move, once. Freed: of
+        those, the ones the layer owns and no other window saved (a tensor two layers keep leaves the device only
+        if both offload it: counted by neither, so the prediction errs high)."""
+        freed: dict[str, int] = defaultdict(int)
+        copied: dict[str, int] = defaultdict(int)
+        packed_by: dict[int, set[str]] = defaultdict(set)
+        for ev in self.events:
+            if ev[0] == "pack":
+                packed_by[ev[1]].add(ev[2])
+        for uid, (nbytes, windows) in self.movable.items():
+            for window in windows:
+                copied[window] += nbytes
+            owner = kept_owner.get(uid)
+            if owner is not None and windows == {owner} == packed_by[uid]:
+                freed[owner] += self.sizes[uid]
+        return dict(freed), dict(copied)
 
     def window(self, name: str, inner: Callable[..., Any], inputs: bool = True) -> Callable[..., Any]:
         """``inner`` (the layer's forward) labelled ``name`` in forward and in its recomputation.
@@ -235,6 +261,7 @@ class Recorder(TorchDispatchMode):
             kept_by[owner] += self.sizes[uid]
             owners[uid] = {owner}
         frozen = {uid: next(iter(names)) for uid, names in owners.items()}
+        self.kept_owner = frozen
         live = peak = 0
         kept_alive: dict[str, int] = defaultdict(int)  # packed and alive, by its owner
         packed: set[int] = set()

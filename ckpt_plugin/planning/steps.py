@@ -32,12 +32,12 @@ log = logging.getLogger("ckpt_plugin")
 
 
 def treatment(option: Option, preserve_rng_state: bool = True) -> Treatment | None:
-    """How a layer runs under ``option``: None where the layer itself is not checkpointed (``keep``; ``inside``,
-    whose parts are): leave it unwrapped."""
+    """How a layer runs under ``option``: None where the layer itself is neither checkpointed nor offloaded
+    (``keep``; ``inside``, whose parts are): leave it unwrapped."""
     if not option.checkpoints:
-        return None
+        return Treatment(checkpointing=False, offload=True) if option.offload else None
     policy = make_policy(option.policy) if option.policy is not None else None
-    return Treatment(checkpointing=True, preserve_rng_state=preserve_rng_state, policy=policy)
+    return Treatment(checkpointing=True, preserve_rng_state=preserve_rng_state, policy=policy, offload=option.offload)
 
 
 def recorded_step(model: nn.Module, names: list[str], forward: Callable[[], Any],

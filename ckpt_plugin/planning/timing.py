@@ -161,6 +161,7 @@ def measure_layer_times(
         raise ValueError(f"parts {', '.join(map(repr, wrong))}: not modules of {type(model).__name__} apart from the layers")
     seconds = {name: dict.fromkeys(options, 0.0) for name in names} | {n: dict.fromkeys(o, 0.0) for n, o in parts.items()}
     kept = {name: dict.fromkeys(compiled or {}, 0) for name in [*names, *parts]}
+    forward_seconds: dict[str, float] = {}  # layer -> its forward under keep, summed over calls
     cache = {} if cache is None else cache
     compiled = dict(compiled or {})
     unknown = sorted(set(compiled) - set(options))
@@ -174,7 +175,7 @@ def measure_layer_times(
         with side_effect_free(model), checkpointing_disabled(model), _eager_unless_ours(compiled):
             timed = {name: [o for o in options if o == KEEP or o in (layer_options or {}).get(name, options)]
                      for name in names} | parts
-            _time_layers(modules, timed, forward, runs, repeats, cache, seconds, kept, now)
+            _time_layers(modules, timed, forward, runs, repeats, cache, seconds, kept, now, forward_seconds)
             full_step = _time_full_step(modules, names, forward, runs, step_repeats, now)
             rest = None
             if whole_step and KEEP in compiled:
@@ -183,7 +184,7 @@ def measure_layer_times(
     finally:
         for p, g in grads.items():
             p.grad = g
-    return LayerTimes(seconds, full_step, compiled, kept if compiled else {}, tuple(parts), rest)
+    return LayerTimes(seconds, full_step, compiled, kept if compiled else {}, tuple(parts), rest, forward_seconds)
 
 
 class _Runs:
@@ -229,8 +230,10 @@ def _ours(run: Callable[..., Any]) -> Callable[..., Any]:
 
 def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[Option]], forward: Callable[[], Any],
                  runs: _Runs, repeats: int, cache: TimingCache, seconds: dict[str, dict[Option, float]],
-                 kept: dict[str, dict[Option, int]], now: Callable[[], float]) -> None:
-    """Step 1: a no-grad forward whose pre-hooks time each candidate (layer or part) on its real inputs."""
+                 kept: dict[str, dict[Option, int]], now: Callable[[], float],
+                 forward_seconds: dict[str, float]) -> None:
+    """Step 1: a no-grad forward whose pre-hooks time each candidate (layer or part) on its real inputs (and the
+    forward of each under ``keep`` alone, into ``forward_seconds``)."""
     busy = []  # while a layer is timed, the hooks of its parts do nothing
 
     def pre(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
@@ -251,10 +254,13 @@ def _time_layers(modules: dict[str, nn.Module], timed: dict[str, list[Option]], 
         if todo:
             calls = {o: runs.of(o, module, name) for o in todo}
             with torch.enable_grad():
-                times = time_calls(calls, args, kwargs, list(module.parameters()), repeats, now)
+                times, forwards = time_calls(calls, args, kwargs, list(module.parameters()), repeats, now)
             cache.update({(runs.key(o), signature): s for o, s in times.items()})
+            if KEEP in forwards:  # the forward alone of the layer as it is: what offload's copies out hide behind
+                cache[(f"{runs.key(KEEP)} forward", signature)] = forwards[KEEP]
         for option in timed[name]:
             seconds[name][option] += cache[(runs.key(option), signature)]
+        forward_seconds[name] = forward_seconds.get(name, 0.0) + cache[(f"{runs.key(KEEP)} forward", signature)]
         for option in [o for o in runs.compiled if o in timed[name]]:
             if (option, signature) not in runs.kept:
                 with torch.enable_grad():

@@ -98,7 +98,7 @@ class ChainCheckpoint:
                 if self.treatment.offload:
                     # Pushed before the first region opens and popped after the last
                     # closes, so the regions' saved inputs go through it (hooks nest).
-                    self._offload = self.treatment.offloading(self.offloader)
+                    self._offload = self.treatment.offloading(self.offloader, per_tensor=True)
                     self._offload.__enter__()
             if self._plain:
                 return None
