@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_d
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import _compat
+from ckpt_plugin._compat import checkpoint as compat_checkpoint
 from ckpt_plugin._compat import regions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,6 +168,56 @@ def test_close_region_refuses_a_generator_that_yields_again() -> None:
     next(gen)
     with pytest.raises(AssertionError):
         _compat.close_region(gen)
+
+
+@pytest.mark.parametrize("runner", ["this torch's", "ours"])
+def test_a_checkpoint_whose_fn_raised_leaves_nothing_in_force_while_its_error_lives(
+        runner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 and 2.12 left the region's saved-tensor hooks and forward context in force until the error was
+    collected: on Python 3.12, in a reference cycle, anywhere later (``_compat/checkpoint.py``'s ``_CLOSES_ON_ERROR``).
+    ``pytest.raises`` holds the error, as that cycle did, on any Python; "ours" runs the region as 2.13 does on
+    every torch."""
+    if runner == "ours":
+        monkeypatch.setattr(compat_checkpoint, "_CLOSES_ON_ERROR", False)
+    exits = []
+
+    class Forward(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+        def __exit__(self, *exc):
+            exits.append(exc[0])
+            return super().__exit__(*exc)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t.sin()
+        raise ValueError("the forward failed")
+
+    depths = (_compat.mode_stack_depth(), _compat.saved_tensors_hooks_depth())
+    with pytest.raises(ValueError, match="the forward failed") as raised:
+        _compat.non_reentrant_checkpoint(fn, torch.randn(4, requires_grad=True),
+                                         context_fn=lambda: (Forward(), contextlib.nullcontext()))
+    assert raised.value.__traceback__ is not None  # the frames, and the region's generator, still held
+    assert exits == [ValueError]  # exited at once, seeing the error
+    assert (_compat.mode_stack_depth(), _compat.saved_tensors_hooks_depth()) == depths
+
+
+def test_our_run_of_a_region_gives_torchs_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The region as ``non_reentrant_checkpoint`` runs it on torch 2.11 and 2.12, on this torch: bitwise torch's."""
+    model, x = _mlp(), torch.randn(4, 8, requires_grad=True)
+    calls = []
+
+    def fn(inp: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return model(inp).sin()
+
+    expected = torch.autograd.grad(checkpoint(fn, x, use_reentrant=False).sum(), [x, *model.parameters()])
+    monkeypatch.setattr(compat_checkpoint, "_CLOSES_ON_ERROR", False)
+    calls.clear()
+    got = torch.autograd.grad(_compat.non_reentrant_checkpoint(fn, x).sum(), [x, *model.parameters()])
+    assert calls == [1, 1]  # the forward, and one recomputation in backward
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_region_generator_signature_is_checked() -> None:

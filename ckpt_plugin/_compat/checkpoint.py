@@ -15,11 +15,15 @@ and raises torch's error again, so torch ends the recomputation as it meant to.
 Where a torch release moved the name (checked on 2.11 to 2.15, where it is
 ``torch.utils.checkpoint._StopRecomputationError``), the calls turn early stop off instead:
 recomputation then runs the whole forward, as under ``set_checkpoint_early_stop(False)``.
+
+On torch 2.11 and 2.12 the calls also close the region when ``fn`` raises, as 2.13 does
+(:data:`_CLOSES_ON_ERROR`).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 from typing import Any
 
@@ -139,12 +143,51 @@ def recomputable(fn: Any, forward_first: bool = True, early_stop: bool = True) -
 
 def non_reentrant_checkpoint(fn: Any, *args: Any, **options: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **options)``, its early
-    stop passing through libraries that re-wrap exceptions (the module's docstring). Every
-    checkpoint call of the plugin's engine goes through here (or :func:`open_region`)."""
+    stop passing through libraries that re-wrap exceptions (the module's docstring), its region
+    closed when ``fn`` raises on every torch (:data:`_CLOSES_ON_ERROR`). Every checkpoint call of
+    the plugin's engine goes through here (or :func:`open_region`)."""
     fn, early_stop = recomputable(fn, early_stop=options.pop("early_stop", True))
     if not early_stop:  # only then: the keyword as dynamo's checkpoint op sees it stays as it was
         options["early_stop"] = False
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **options)
+    if _CLOSES_ON_ERROR or torch.compiler.is_compiling():  # traced: dynamo's checkpoint op, whatever torch
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **options)
+    return _checkpoint_closing_on_error(fn, *args, **options)
+
+
+# torch 2.11 and 2.12's ``checkpoint`` leave its region open when ``fn`` raises. The region is a generator
+# (``_checkpoint_without_reentrant_generator``, private) suspended at its ``yield`` inside checkpoint's
+# saved-tensor hooks and ``context_fn``'s forward context (a selective policy's dispatch mode); ``checkpoint``
+# resumes it only after ``fn`` returned. On an error those stay in force until the generator is collected,
+# and then each pops whatever is on top of torch's stacks by then. When that is, is the interpreter's: on
+# Python 3.11 the error's last reference dies with the ``except`` that handles it; from 3.12 on, an error
+# converted by a ``contextlib.contextmanager`` (measure/fake.py's NotFakeable) lives in a reference cycle
+# (the generator's finished frame keeps its caller, contextlib's ``__exit__``, as ``f_back``:
+# cpython#100964, cpython#129280) until a cyclic collection, anywhere later: on 3.12 one came in the middle
+# of the no-grad forward that records a forward's value reads, and popped the recording's own mode, so
+# nothing was recorded (measure/values.py's UnreplayableRead under ckpt=selective). torch 2.13 throws the
+# error into the generator (pytorch#184018); on older torch we run the region as it does.
+_CLOSES_ON_ERROR = torch.__version__ >= (2, 13)
+
+
+def _checkpoint_closing_on_error(fn: Any, *args: Any, preserve_rng_state: bool = True,
+                                 context_fn: Any = torch.utils.checkpoint.noop_context_fn,
+                                 determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
+                                 **kwargs: Any) -> Any:
+    """torch 2.13's non-reentrant ``checkpoint(fn, *args, **kwargs)`` on torch 2.11 and 2.12 (same defaults):
+    the region's contexts exit when ``fn`` raises, innermost first, and see its error."""
+    from ckpt_plugin._compat.regions import _region_generator, close_region  # regions imports this module
+
+    gen = _region_generator()(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop,
+                              *args, **kwargs)
+    next(gen)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as error:
+        with contextlib.suppress(StopIteration):  # a context that swallowed it: the error goes on all the same
+            gen.throw(error)
+        raise
+    close_region(gen)
+    return out
 
 
 def _unwrapped(fn: Any) -> Any:
