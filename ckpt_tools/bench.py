@@ -54,8 +54,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
-import copy
 import gc
 import inspect
 import itertools
@@ -66,23 +64,23 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from ckpt_plugin.apply.batch import Sample
-from ckpt_plugin.apply.install import install_plan
 from ckpt_plugin.config.schema import MODES as CKPT_MODES
 from ckpt_plugin.config.schema import AutoConfig, make_config
 from ckpt_plugin.engine.offload import NOTHING_TO_MOVE
 from ckpt_plugin.errors import closest_first
 from ckpt_plugin.measure.memory import step_flops, step_memory
 from ckpt_plugin.planning.rotor import describe
+from ckpt_tools.bench_offload import budget_value, measure_offload, offload_table
 from ckpt_tools.compiled import PLUGIN_ROWS, measure_compiled_budget
-from ckpt_tools.fit_check import Subject, choose_fit, limit_of
+from ckpt_tools.bench_fit import fit_table as _fit_table
+from ckpt_tools.bench_fit import measure_fit
+from ckpt_tools.fit_check import limit_of
 from ckpt_tools.fit_check import parse_list as _parse_list
 from ckpt_tools.overhead import measure_overhead
 from ckpt_tools.workloads import MODELS, MODES, PRECISIONS, ModelSpec, Run, build
@@ -232,81 +230,6 @@ def time_steps(
     return times
 
 
-@dataclass
-class FitRun:
-    """A model of a ``--fit`` row training as Lightning does: forward and loss, zero_grad, backward, optimizer step."""
-
-    model: torch.nn.Module
-    batch: tuple[torch.Tensor, ...]
-    optimizer: torch.optim.Optimizer
-    autocast: torch.dtype | None = None
-
-    def step(self) -> None:
-        with _autocast(self.batch[0].device, self.autocast):
-            loss = self.model.loss(self.batch)
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        if self.batch[0].device.type == "cuda":
-            torch.cuda.synchronize(self.batch[0].device)
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def _rows(batch: tuple[torch.Tensor, ...], size: int) -> tuple[torch.Tensor, ...]:
-    """``batch`` made ``size`` rows long from its own rows, in turn: real data, each row its own memory."""
-    return tuple(t[torch.arange(size, device=t.device) % t.shape[0]] for t in batch)
-
-
-def fit_subject(name: str, args: argparse.Namespace) -> tuple[Subject, Run]:
-    """The bench's model ``name`` (its size, batch and precision) as ``fit_check`` plans it, over ckpt=auto's layers."""
-    spec = MODELS[name]
-    run = build(spec, "none", args.quick, device=args.device, sizes=args.sizes.get(name), precision=args.precision)
-
-    def sample(model: torch.nn.Module) -> Sample:
-        device = run.batch[0].device
-
-        def call(*a: Any, **k: Any) -> Any:
-            with _autocast(device, run.autocast):
-                return model(*a, **k)
-
-        def step(batch: Any) -> torch.Tensor:
-            with _autocast(device, run.autocast):
-                return model.loss(batch)
-
-        return Sample(((run.batch[0],), {}), call, run.batch, step)
-
-    return Subject(name, lambda: copy.deepcopy(run.model), list(spec.auto_layers or [spec.layers]), sample), run
-
-
-def measure_fit(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``--fit``: the batch and plan ``ckpt.memory=<limit> ckpt.batch=max`` chooses (the model's own optimizer), the
-    whole step predicted and measured, and samples per second against no checkpointing at the same batch and at
-    the largest batch that fits without it (both found on fake tensors)."""
-    subject, run = fit_subject(name, args)
-    chosen = choose_fit(subject, lambda model: model.configure_optimizers(), args.fit)
-    pristine, plan = chosen.pop("pristine"), chosen.pop("wrap_plan")
-
-    def fresh(size: int, planned: bool) -> FitRun:
-        model = copy.deepcopy(pristine)
-        if planned:
-            install_plan(model, plan)
-        return FitRun(model, _rows(run.batch, size), model.configure_optimizers(), run.autocast)
-
-    runs = {"plan": fresh(chosen["batch"], True), "none": fresh(chosen["batch"], False)}
-    if chosen["none_batch"] and chosen["none_batch"] != chosen["batch"]:
-        runs["none_largest"] = fresh(chosen["none_batch"], False)
-    with tqdm(total=args.repeats * len(runs), desc=f"ckpt-bench --fit {name}", unit="run", file=sys.stderr) as bar:
-        seconds = time_steps(f"{name} fit", runs, args.repeats, args.steps, args.min_seconds, bar)
-    per_second = {k: len(r.batch[0]) / statistics.median(seconds[k]) for k, r in runs.items()}
-    per_second.setdefault("none_largest", per_second["none"] if chosen["none_batch"] else None)
-    return chosen | {"fit": args.fit, "samples_per_s": per_second["plan"], "none_samples_per_s": per_second["none"],
-                     "none_fits": chosen["none_at_batch"] <= chosen["limit"],
-                     "none_largest_samples_per_s": per_second["none_largest"]}
-
-
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     """Names of the points no other point beats in both coordinates (lower is better), by x."""
     front, best_y = [], float("inf")
@@ -444,29 +367,6 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], command: str, setup:
     return "\n".join(lines)
 
 
-def _fit_table(fit: dict[str, dict[str, Any]]) -> list[str]:
-    """``--fit``'s rows: what ckpt.memory with ckpt.batch=max chose, and its throughput against no checkpointing."""
-    lines = ["## fit", "",
-             "`ckpt=auto ckpt.memory=<limit> ckpt.batch=max`, the model's own optimizer: the batch and plan chosen "
-             "(planned on fake tensors), the whole step (forward, zero_grad, backward, optimizer step; the second "
-             "of two) predicted and measured (MemTracker, real tensors), and samples per second (median step) "
-             "against no checkpointing at the same batch (whether its whole step fits the limit, on fake tensors) "
-             "and at the largest batch whose whole step fits without checkpointing.", "",
-             "| model | limit | batch | plan | predicted peak | measured peak | samples/s | none at that batch "
-             "| samples/s | largest batch without | samples/s |",
-             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
-    for model, r in fit.items():
-        fits = "fits" if r["none_fits"] else "does not fit"
-        largest = r["none_largest_samples_per_s"]
-        lines.append(
-            f"| {model} | {r['fit']}: {r['limit'] / MiB:.2f} MiB | {r['batch']} | {r['plan']} "
-            f"| {r['predicted'] / MiB:.2f} MiB | {r['measured'] / MiB:.2f} MiB"
-            f"{'' if r['measured'] <= r['limit'] else ' (over the limit: NO)'} | {r['samples_per_s']:.1f} "
-            f"| {r['none_at_batch'] / MiB:.2f} MiB: {fits} | {r['none_samples_per_s']:.1f} "
-            f"| {r['none_batch'] or 'none fits'} | {f'{largest:.1f}' if largest is not None else '–'} |")
-    return [*lines, ""]
-
-
 def _choices(choices: dict[str, str] | str) -> str:
     """``full x10, keep x2`` for a plan's options (a schedule's nodes for segments=optimal)."""
     if isinstance(choices, str):
@@ -558,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "fraction of the way from the least whole step to the one without checkpointing (0.5) or "
                         "a size (3MiB): the batch and plan chosen, the whole step predicted and measured, samples "
                         "per second against no checkpointing (off by default: minutes per model)")
+    parser.add_argument("--offload", default=None, metavar="BUDGET",
+                        help="also an 'offload' table per model: every block offloaded, the blocks ckpt=auto "
+                        "ckpt.budget=BUDGET offloads, and ckpt=auto at BUDGET with and without offload, against "
+                        "none: copies moved and hidden, host allocations per step (ckpt_tools/bench_offload.py)")
     parser.add_argument("--keep-going", action="store_true",
                         help="a mode that fails (an out-of-memory, an error on a new torch) becomes a row naming "
                         "the error instead of ending the run; none must run")
@@ -597,6 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             limit_of(args.fit, 0, 1)  # its form, before anything runs
         except ValueError as err:
             parser.error(str(err))
+    if args.offload is not None:
+        try:
+            make_config(mode="auto", layers="-", budget=budget_value(args.offload))
+        except ValueError as err:
+            parser.error(f"--offload={args.offload}: {err}")
     problems = _mode_problems(modes)
     if problems:
         parser.error("\n  ".join(["cannot run:", *problems]))
@@ -627,9 +536,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     fit = None
     if args.fit is not None:
         print(f"ckpt-bench: --fit {args.fit}: ckpt.batch=max and the plan for the whole step, timed", file=sys.stderr)
-        fit = {name: measure_fit(name, args) for name in models}
-    extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled), ("fit", fit)) if v is not None}
+        fit = {name: measure_fit(name, args, time_steps) for name in models}
+    offload = None
+    if args.offload is not None:
+        print(f"ckpt-bench: --offload {args.offload}: offload against none, planned and not", file=sys.stderr)
+        offload = {name: measure_offload(name, args, time_steps) for name in models}
+    extras = {k: v for k, v in (("overhead", overhead), ("compiled", compiled), ("fit", fit), ("offload", offload))
+              if v is not None}
     table = markdown(results, command, setup, overhead, compiled, device=args.device, fit=fit)
+    if offload is not None:
+        table += "\n".join(offload_table(offload))
     print(table)
     written = write_results(args.out, results | extras, table)
     print(f"wrote {', '.join(map(str, written))}")

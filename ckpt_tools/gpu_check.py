@@ -54,6 +54,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_tools import gpu_summary
+from ckpt_tools.gpu_summary import offload_overlap
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "test.lock"
 # What the package needs (pyproject's dependencies) that the GPU machines lack: torch, lightning, numpy and tqdm
@@ -66,6 +69,7 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux2014_x86_64", "any")  # the GPU 
 # deepspeed, jsonargparse, transformers >= 5.23). CPU tests: they show the package works on that torch.
 CORE_TESTS = ("tests/test_api.py", "tests/test_correctness.py", "tests/test_policies.py", "tests/test_segments.py",
               "tests/test_memory_flops.py", "tests/test_compat.py", "tests/test_offload.py", "tests/test_scan.py",
+              "tests/test_offload_pool.py", "tests/test_offload_plan.py",
               "tests/test_auto.py", "tests/test_hydra.py",
               # private checkpoint internals read by frame (measure/values.py) and re-raised (_compat/checkpoint.py)
               "tests/test_values.py", "tests/test_wrapped_exceptions.py")
@@ -86,7 +90,7 @@ TABLE_MODES = (*BENCH_MODES, *AUTO_MODES)
 
 # Seconds per step, each also cut to what is left of --deadline (the whole check's limit).
 LIMITS = {"install": 60, "env": 60, "bandwidth": 60, "cuda tests": 120, "bench": 200, "bench auto": 150,
-          "bench fit": 150, "fsdp fit": 120, "core tests": 150, "tests": 150}
+          "bench fit": 150, "bench offload": 200, "fsdp fit": 120, "core tests": 150, "tests": 150}
 # ckpt.memory with ckpt.batch=max on the GPU (issue #34): halfway between the least whole step and none's, a GPT
 # a quarter of GPU_GPT's depth (the chosen batch runs without checkpointing too, for samples per second).
 FIT_GPT = "n_layer=4,n_embd=2048,n_head=16,block_size=1024,batch_size=8"
@@ -96,6 +100,11 @@ FIT = "0.5"
 # limit between the least whole step (~1.2 GB, estimated) and none's (~5 GB).
 FSDP_FIT = {"name": "fsdp", "optimizer": "adamw", "memory": "2.5GiB", "precision": "bf16-mixed", "data_batch": 8,
             "gpt": {"n_layer": 4, "n_embd": 1024, "n_head": 16, "block_size": 1024}}
+# Offload that hides (issue #41): ckpt-bench --offload at this budget on GPU_GPT: every block offloaded against none
+# (the pool's host allocations per step, the copies' share hidden), the blocks ckpt=auto offloads there, and
+# ckpt=auto with and without offload at that memory, predicted against measured.
+OFFLOAD_BUDGET = "0.25"
+DRY_OFFLOAD_BUDGET = "0.5"  # the dry run's tiny GPT: 0.25 is below the least peak any plan reaches there
 MiB = 2**20
 
 _ENV = r"""
@@ -310,122 +319,9 @@ def _marked(log: Path, marker: str) -> dict[str, Any] | None:
     return found
 
 
-def offload_overlap(rows: dict[str, dict[str, Any]], bandwidth: dict[str, float] | None) -> dict[str, Any] | None:
-    """Offload against none on the bench's GPT: step times, bytes left on the device, the copies' share hidden.
-
-    ``hidden``: 1 - (offload's added step time) / (the moved bytes' copy time out and back at the measured
-    bandwidth): 1 when the copies cost nothing, 0 when they cost what they would serially.
-    """
-    none, off = rows.get("none"), rows.get("offload")
-    if not none or not off or off.get("step_seconds") is None or none.get("step_seconds") is None:
-        return None
-    result = {"none_step_s": none["step_seconds"], "offload_step_s": off["step_seconds"],
-              "added_s": off["step_seconds"] - none["step_seconds"],
-              "none_kept_bytes": none.get("forward_kept_bytes"), "offload_kept_bytes": off.get("forward_kept_bytes"),
-              "none_peak_bytes": none["peak_bytes"], "offload_peak_bytes": off["peak_bytes"],
-              "moved_bytes": None, "copy_s": None, "hidden": None}
-    if result["none_kept_bytes"] is not None and result["offload_kept_bytes"] is not None:
-        result["moved_bytes"] = moved = result["none_kept_bytes"] - result["offload_kept_bytes"]
-        if bandwidth and moved > 0:
-            result["copy_s"] = moved / bandwidth["d2h_bytes_per_s"] + moved / bandwidth["h2d_bytes_per_s"]
-            result["hidden"] = 1 - result["added_s"] / result["copy_s"]
-    return result
-
-
-def _cell(text: str, limit: int = 300) -> str:
-    """One markdown table cell: one line, no column separators."""
-    return " ".join(str(text).split()).replace("|", "/")[:limit]
-
-
-def _mib(n: float | None) -> str:
-    return "–" if n is None else f"{n / MiB:.1f}"
-
-
 def summary(results: dict[str, Any]) -> str:
-    """Every table of the check, as markdown."""
-    env = results["env"] or {}
-    lines = ["# GPU check", "", "```bash", results["command"], "```", "",
-             f"{'Dry run on CPU (tiny sizes). ' if results['dry_run'] else ''}"
-             f"{results['seconds']:.0f} s in all, {results['started']}.", "", "## Environment", "",
-             "| what | version |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in env.items()] or ["| (the environment step printed nothing) | |"]
-    lines += ["", "## Steps", "", "| step | status | seconds | log |", "|---|---|---:|---|"]
-    lines += [f"| {s['name']} | {Step(**s).status} | {s['seconds']:.1f} | {s['log']} |" for s in results["steps"]]
-    tests = results["tests"]
-    lines += ["", "## CUDA-only tests", "", "| test | outcome | seconds | message |", "|---|---|---:|---|"]
-    lines += [f"| {r['id']} | {r['outcome']} | {r['seconds']:.2f} | {_cell(r['message'])} |" for r in tests["cuda"]]
-    core = tests["core"]
-    lines += ["", "## Core subset", "", "| tests | passed | failed | errors | skipped |", "|---|---:|---:|---:|---:|",
-              f"| {', '.join(f.removeprefix('tests/') for f in core['files'])} | {core['passed']} | {core['failed']} "
-              f"| {core['errors']} | {core['skipped']} |"]
-    if core["not_passed"]:
-        lines += ["", *(f"- {r['id']}: {r['outcome']}: {_cell(r['message'])}" for r in core["not_passed"])]
-    bench = results["bench"]
-    lines += ["", "## ckpt-bench", "", bench["setup"], "",
-              "| mode | step (ms) | time / none | peak (MiB) | peak / none | kept by the forward (MiB) "
-              "| kept / none | FLOP ratio | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for mode in TABLE_MODES:
-        r = bench["rows"].get(mode)
-        if r is None:
-            lines.append(f"| {mode} | – | – | – | – | – | – | – | not measured: see the steps |")
-        elif r.get("error") or r.get("time_ratio") is None:
-            lines.append(f"| {mode} | – | – | – | – | – | – | – | {_cell(r.get('error', ''))} |")
-        else:
-            kept = r.get("forward_kept_bytes", r["act_peak_bytes"])
-            lines.append(f"| {mode} | {r['step_seconds'] * 1e3:.1f} | {r['time_ratio']:.2f} | {_mib(r['peak_bytes'])} "
-                         f"| {r['peak_fraction']:.2f} | {_mib(kept)} | {r['act_fraction']:.2f} "
-                         f"| {r['flops_ratio']:.3f} | {_cell('; '.join(r.get('notes', [])))} |")
-    lines += ["", "Ratios are to `none` of the same bench run (auto's own run measures its `none` again). "
-              "On CUDA the peak is torch.cuda.max_memory_allocated's for the step, as if the model were alone; "
-              "'kept by the forward' is what the forward leaves allocated on the device. On CPU both are "
-              "MemTracker's (total and activation peaks)."]
-    bw, ov = results["bandwidth"], results["offload"]
-    lines += ["", "## Offload's overlap", ""]
-    if bw:
-        lines.append(f"Pinned copies of 1 GiB: device to host {bw['d2h_bytes_per_s'] / 1e9:.1f} GB/s, "
-                     f"host to device {bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s.")
-        lines.append("")
-    if ov is None:
-        lines.append("No offload and none rows with step times to compare (see the steps).")
-    else:
-        fmt = (lambda v, f: "–" if v is None else f.format(v))
-        lines += ["| none step (ms) | offload step (ms) | added (ms) | kept on device: none (MiB) | offload (MiB) "
-                  "| moved (MiB) | copies out and back, serial (ms) | share hidden |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|",
-                  f"| {ov['none_step_s'] * 1e3:.1f} | {ov['offload_step_s'] * 1e3:.1f} | {ov['added_s'] * 1e3:.1f} "
-                  f"| {_mib(ov['none_kept_bytes'])} | {_mib(ov['offload_kept_bytes'])} | {_mib(ov['moved_bytes'])} "
-                  f"| {fmt(ov['copy_s'] and ov['copy_s'] * 1e3, '{:.1f}')} | {fmt(ov['hidden'], '{:.2f}')} |"]
-    lines += ["", "## Fit the device (ckpt.memory, ckpt.batch=max)", ""]
-    fit = results.get("fit")
-    if not fit:
-        lines.append("Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run.")
-    else:
-        lines += [f"`ckpt-bench --fit {FIT}` on GPT({FIT_GPT}), bf16-mixed: the limit halfway between the least "
-                  "whole step and the one without checkpointing.", "",
-                  "| limit (MiB) | batch | plan | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
-                  "| reserved (MiB) | allocated <= limit |", "|---:|---:|---|---:|---:|---:|---:|---|",
-                  f"| {_mib(fit['limit'])} | {fit['batch']} | {fit['plan']} | {_mib(fit['predicted'])} "
-                  f"| {_mib(fit['measured'])} | {_mib(fit.get('cuda_allocated'))} | {_mib(fit.get('cuda_reserved'))} "
-                  f"| {'yes' if (fit.get('cuda_allocated') or 0) <= fit['limit'] else 'NO'} |", "",
-                  "The allocator's overhead is max_memory_allocated against MemTracker's total, and what it reserved "
-                  "against what it allocated."]
-    lines += ["", "## Under FSDP (Lightning's FSDPStrategy, one GPU)", ""]
-    fsdp = results.get("fsdp_fit")
-    if not fsdp:
-        lines.append("Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run.")
-    elif fsdp.get("error"):
-        lines.append(f"Failed: {_cell(': '.join(fsdp['error']))}")
-    else:
-        cuda_peak = fsdp.get("cuda_peak")
-        lines += [f"`tests/fit_fsdp_worker.py --cuda`: GPT({FSDP_FIT['gpt']}), batch {FSDP_FIT['data_batch']}, "
-                  f"{FSDP_FIT['precision']}, AdamW, ckpt.memory={FSDP_FIT['memory']}; the whole step predicted on the "
-                  "fake twin the strategy shards, measured at the second batch.", "",
-                  "| limit (MiB) | wrapped | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
-                  "| allocated <= limit |", "|---:|---:|---:|---:|---:|---|",
-                  f"| {_mib(fsdp.get('limit'))} | {len(fsdp['wrapped'])} | {_mib(fsdp['predicted'])} "
-                  f"| {_mib(fsdp['measured'])} | {_mib(cuda_peak)} "
-                  f"| {'yes' if cuda_peak is not None and cuda_peak <= (fsdp.get('limit') or 0) else 'NO'} |"]
-    return "\n".join(lines) + "\n"
+    """Every table of the check, as markdown (``gpu_summary.py``)."""
+    return gpu_summary.summary(results, TABLE_MODES, (FIT, FIT_GPT), FSDP_FIT, lambda step: Step(**step).status)
 
 
 def _bench_command(modes: tuple[str, ...], out: Path, dry_run: bool) -> list[str]:
@@ -481,28 +377,34 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     core_files = DRY_TESTS if args.dry_run else CORE_TESTS
     if args.dry_run:
         test_groups = [("tests", [*cuda_ids, *core_files], 1)]
-        bench_groups = [("bench", TABLE_MODES)]
+        bench_groups = [("bench", TABLE_MODES)]  # with --offload: one process (the imports cost seconds)
     else:
         test_groups = [("cuda tests", cuda_ids, 1), ("core tests", list(core_files), args.workers)]
-        bench_groups = [("bench", BENCH_MODES), ("bench auto", AUTO_MODES), ("bench fit", ("none",))]
+        bench_groups = [("bench", BENCH_MODES), ("bench offload", ("none",)), ("bench auto", AUTO_MODES),
+                        ("bench fit", ("none",))]
     # What only a GPU can show comes first: the CUDA tests, then the bench; the core subset (CPU tests, which
     # the torch-range check also runs on CPU) takes what is left of the deadline.
     ran: list[dict[str, Any]] = []
     rows: dict[str, Any] = {}
     for name, ids, workers in test_groups[:1]:
         ran += _tests(run, name, ids, workers)
-    fit = None
+    fit = engine = None
     for name, modes in bench_groups:
         sub = work / name.replace(" ", "_")
         command = _bench_command(modes, sub, args.dry_run)
         if name == "bench fit":  # its own GPT, one none row beside the fit row
             command = [*command[:command.index("--gpt")], "--gpt", FIT_GPT, "--fit", FIT,
                        *command[command.index("--gpt") + 2:]]
+        if name == "bench offload" or args.dry_run:
+            command = [*command, "--offload", DRY_OFFLOAD_BUDGET if args.dry_run else OFFLOAD_BUDGET]
         run.run(name, command, "bench.log")
         if (sub / "results.json").is_file():
             written = json.loads((sub / "results.json").read_text())
             if name == "bench fit":
                 fit = (written.get("fit") or {}).get("gpt")
+                continue
+            engine = (written.get("offload") or {}).get("gpt") or engine
+            if name == "bench offload":
                 continue
             rows |= {m: r for m, r in written.get("gpt", {}).items() if m in modes}
     fsdp = None
@@ -533,6 +435,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "bench": {"setup": setup_line, "rows": rows},
         "bandwidth": bandwidth,
         "offload": offload_overlap(rows, bandwidth),
+        "offload_engine": engine,
         "fit": fit,
         "fsdp_fit": fsdp,
     }

@@ -47,7 +47,7 @@ def test_dry_run_writes_its_files_into_one_folder(dry) -> None:
 def test_every_step_ran_and_ended_well(dry) -> None:
     _, results, summary = dry
     assert results["dry_run"] is True
-    assert [s["name"] for s in results["steps"]] == ["env", "tests", "bench"]
+    assert [s["name"] for s in results["steps"]] == ["env", "tests", "bench"]  # bench with --offload
     for step in results["steps"]:
         assert (step["returncode"], step["timed_out"]) == (0, False), step
         assert f"| {step['name']} | ok |" in summary
@@ -137,10 +137,26 @@ def test_cuda_tests_are_found_by_their_decorators(tmp_path: Path) -> None:
 
 def test_the_suite_s_cuda_tests_are_offload_s_and_ckpt_memory_s() -> None:
     ids = cuda_tests()
-    offload = [i for i in ids if i.startswith("tests/test_offload.py::test_cuda_")]
+    offload = [i for i in ids if i.startswith(("tests/test_offload.py::test_cuda_",
+                                               "tests/test_offload_pool.py::test_cuda_"))]
     assert offload and set(ids) - set(offload) == {
         "tests/test_memory_config.py::test_a_share_of_a_cuda_device_is_of_its_total_memory"}, ids
-    assert set(CORE_TESTS) >= {"tests/test_offload.py", *(i.split("::")[0] for i in DRY_TESTS)}
+    assert set(CORE_TESTS) >= {"tests/test_offload.py", "tests/test_offload_pool.py", "tests/test_offload_plan.py",
+                               *(i.split("::")[0] for i in DRY_TESTS)}
+
+
+def test_the_offload_step_reports_the_engine_and_the_plans(dry) -> None:
+    """``ckpt-bench --offload``: on CPU no link, nothing moved, no host allocation, auto with and without offload
+    planned at the same budget; its tables in the summary."""
+    _, results, summary = dry
+    engine = results["offload_engine"]
+    assert engine["link"] is None and engine["moved_bytes_per_step"] == 0 and engine["hidden"] is None
+    assert engine["host_allocations_after_step"] == [0, 0, 0, 0] and engine["hideable_layers"] == []
+    for label in ("auto", "auto no offload"):
+        assert engine[label]["offload_bytes"] == 0
+        assert not any(o in ("offload", "full+offload") for o in engine[label]["choices"].values())
+    assert "## Offload that hides (`ckpt-bench --offload`)" in summary
+    assert "| gpt | none (CPU: nothing moves) | 0.0 MiB |" in summary
 
 
 def test_carried_wheels_cover_what_the_gpu_machine_lacks() -> None:

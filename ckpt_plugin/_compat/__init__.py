@@ -57,7 +57,7 @@ from ckpt_plugin._compat.hooks import (
     saved_tensors_hooks_depth,
 )
 from ckpt_plugin._compat.memory import CategoryPeakTracker, MemTracker
-from ckpt_plugin._compat.ops import TorchDispatchMode, argument, is_mutable, op_flops, written
+from ckpt_plugin._compat.ops import TorchDispatchMode, argument, beneath_dispatch_modes, is_mutable, op_flops, written
 from ckpt_plugin._compat.pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 from ckpt_plugin._compat.regions import (
     checkpoint_debug_enabled,
@@ -78,6 +78,7 @@ __all__ = [
     "active_fake_mode",
     "activation_memory_budget",
     "argument",
+    "beneath_dispatch_modes",
     "base_of",
     "checkpoint_debug_enabled",
     "checkpoint_placeholder",

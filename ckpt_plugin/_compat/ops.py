@@ -10,6 +10,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # documented, but in a private module
 
 
+def beneath_dispatch_modes() -> Any:
+    """A context in which no Python dispatch mode sees the ops run (``_disable_current_modes``, private): for
+    the offloader's host-side work (a pool region, the copy into it), which is no op of the model and no device
+    memory, so that MemTracker, FLOP counters and selective policies count the model's ops only."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """The FLOPs ``FlopCounterMode`` counts for one op that ran (``out``), without running it again.
 

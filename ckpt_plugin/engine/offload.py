@@ -53,6 +53,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from ckpt_plugin._compat import (
     StorageWeakRef,
+    active_fake_mode,
     base_of,
     checkpoint_placeholder,
     is_fake,
@@ -174,6 +175,8 @@ class Offloading(saved_tensors_hooks):
         if t.device.type in self._in_host_memory:
             self.stats.already_on_cpu += 1
             return self._keep(t)
+        if not is_fake(t) and active_fake_mode() is not None:  # a real input of a step measured on fake tensors
+            return self._keep(t)  # (the batch): kept, never copied for real by a measurement
         key = (StorageWeakRef(t.untyped_storage()), version(t))
         copy = self._copies.get(key)
         if copy is None:

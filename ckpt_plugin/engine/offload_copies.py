@@ -22,8 +22,11 @@ a 1,109 ms step when nothing overlapped; docs/gpu.md):
   at most ``ahead`` calls' bytes stay on the device beside the running layer, in
   the allocator's own order, which is what the planner's peak counts
   (``planning/offload_plan.py``), and each copy has the next calls' forward to hide
-  behind. The last ``ahead`` calls are still stashed when backward reaches them:
-  their bytes never come back, they never left.
+  behind. The last ``ahead`` calls are still stashed when backward begins; then
+  they are let go too. What backward unpacks always comes from the host copy,
+  made when the tensor was saved: the source may have been written in place since
+  (a selective policy's saved output that the region goes on to change, HF Funnel),
+  and a version counter made beneath autograd does not say so.
 - **Back, in backward.** Autograd unpacks a call's saved tensors when its layer's
   backward starts. Then that call's bytes come back (if not already here) and so
   do the next ``ahead`` calls' in backward order (the calls before it in forward),
@@ -52,7 +55,7 @@ from typing import Any
 
 import torch
 
-from ckpt_plugin._compat import is_fake
+from ckpt_plugin._compat import beneath_dispatch_modes, is_fake
 from ckpt_plugin.engine.host_pool import HostPool
 
 PREFETCH_AHEAD = 1  # calls whose bytes may be on the device beside the running one: in flight out, or prefetched back
@@ -66,7 +69,12 @@ class CopyStats:
     bytes_out: int = 0
     prefetched: int = 0  # storages brought back ahead of their unpack (a later call's, in backward order)
     on_demand: int = 0  # storages brought back at their own unpack: the first of a backward, or re-read
-    # (the last ``ahead`` calls of a forward are still on the device at their unpack: neither)
+
+
+def whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s whole storage as (nbytes,) uint8, a view (on fake tensors too: no ``set_``)."""
+    flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    return flat.view(torch.uint8)
 
 
 class _Streams:
@@ -110,7 +118,7 @@ class HostCopy:
         self.arrived: torch.cuda.Event | None = None  # recorded after the copy back (CUDA)
         self.packs = 0  # saved tensors packed as views of it
         self.unpacks = 0
-        self._restored: weakref.ref[torch.Tensor] | None = None  # a view given out, while autograd holds it
+        self._restored: weakref.ref[torch.Tensor] | None = None  # the (nbytes,) uint8 the views given out are of
 
     def __del__(self) -> None:
         if self._pool is not None:
@@ -173,20 +181,22 @@ class Offloader:
         """``t``'s whole storage in host memory, queued (CUDA) or done (elsewhere). A fake tensor (a plan's step
         measured, ``measure/fake.py``) is only let go: its bytes come back as a fresh fake tensor, allocated
         when they would be, so that measurements see the device's side of offload."""
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())  # (nbytes,)
+        src = whole_storage(t.detach())  # (nbytes,) uint8, outside autograd
         if is_fake(t):
             copy = HostCopy(None, t.device, call, None, src.numel())
         else:
             pool = self.pools[t.is_cuda]
-            copy = HostCopy(pool.take(src.numel()), t.device, call, pool)
+            with beneath_dispatch_modes():  # host memory: no device bytes for a tracker to count
+                copy = HostCopy(pool.take(src.numel()), t.device, call, pool)
         call.copies.append(weakref.ref(copy))
-        copy.source = src  # stashed until a later call ends (``end``)
+        copy.source = src  # stashed until a later call ends (``end``), or backward begins
+        if copy.host is None:  # a fake tensor's: measured, not copied (the stats count copies made)
+            return copy
         self.stats.copies_out += 1
         self.stats.bytes_out += copy.nbytes
-        if copy.host is None:
-            return copy
         if not t.is_cuda:
-            copy.host.copy_(src)
+            with beneath_dispatch_modes():
+                copy.host.copy_(src)
             return copy
         compute = torch.cuda.current_stream(t.device)  # captured before switching streams
         streams = self._streams_of(t.device)
@@ -194,7 +204,7 @@ class Offloader:
         if streams.pool_generation != pool.started_over:  # the pool starts over: last step's copies back read it
             streams.out.wait_stream(streams.back)
             streams.pool_generation = pool.started_over
-        with torch.cuda.stream(streams.out):
+        with torch.cuda.stream(streams.out), beneath_dispatch_modes():
             copy.host.copy_(src, non_blocking=True)
         copy.ready = streams.out.record_event()  # the compute stream waits on it before letting src go
         return copy
@@ -206,13 +216,12 @@ class Offloader:
         """The saved tensor on its device again; its call's bytes, and the next ``ahead`` calls' in backward
         order, sent back now if they were not yet. Views unpacked by the same node share one copy back."""
         copy.unpacks += 1
+        while self._stashed:  # backward has begun: no source is needed on the device any more
+            self._let_go(self._stashed.popleft())
         alive = copy._restored() if copy._restored is not None else None
         compute = torch.cuda.current_stream(copy.device) if copy.device.type == "cuda" else None
         if alive is not None:
-            storage = alive.untyped_storage()
-        elif copy.source is not None:  # never left the device: its call was among the last `ahead` of the forward
-            self._fetch_ahead(copy.call, compute)
-            storage = copy.source.untyped_storage()
+            raw = alive
         else:
             if copy.on_device is None:
                 if copy.call.fetched:  # brought back before and let go (a second backward): again, now
@@ -224,9 +233,12 @@ class Offloader:
             if copy.arrived is not None:
                 compute.wait_event(copy.arrived)  # only now does backward need these bytes
                 copy.arrived = None
-            storage = copy.on_device.untyped_storage()
-        view = torch.empty(0, dtype=dtype, device=copy.device).set_(storage, offset, size, stride)
-        copy._restored = weakref.ref(view)
+            raw = copy.on_device
+        if is_fake(raw):  # a measured step: a fake storage cannot be set on another tensor, a view stands for it
+            view = raw.view(dtype).as_strided(size, stride, offset)
+        else:  # not a view (no ``_base``): a selective recomputation returns it, and writes into it in place
+            view = torch.empty(0, dtype=dtype, device=copy.device).set_(raw.untyped_storage(), offset, size, stride)
+        copy._restored = weakref.ref(raw)
         if copy.unpacks >= copy.packs:  # every view packed has been unpacked: autograd holds what it needs
             copy.on_device = None
         return view

@@ -94,7 +94,7 @@ from ckpt_plugin.lightning.strategies import (
     rank_zero_plans_alone,
     sharded_parameters,
 )
-from ckpt_plugin.lightning.wrapped import check_overkeep, report_rows
+from ckpt_plugin.lightning.wrapped import check_fixed_mode, report_rows
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import (
@@ -310,7 +310,7 @@ class ActivationCheckpointing(pl.Callback):
         self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig)
         if forward is not None:  # without a sample, the first step is the first forward: checked after it
             self._check_names()
-            check_overkeep(trainer, pl_module, self.config, self.wrapped, forward)
+            check_fixed_mode(trainer, pl_module, self.config, self.wrapped, forward)
 
     def _say_what_was_wrapped(self, pl_module: pl.LightningModule, plan: Any, forward: Callable[[], Any] | None,
                               sharded: str | None, without: StepMeasure | NotFakeable | None, rows: Any,
@@ -429,7 +429,7 @@ class ActivationCheckpointing(pl.Callback):
             self.step_watch.start(pl_module, trainer.optimizers, batch)
         if self._overkeep_at_step and self.wrapped:  # the batch is the sample now: on fake tensors, once per fit
             self._overkeep_at_step = False
-            check_overkeep(trainer, pl_module, self.config, self.wrapped, batch=batch)
+            check_fixed_mode(trainer, pl_module, self.config, self.wrapped, batch=batch)
         if not self.wrapped or trainer.global_step % max(trainer.log_every_n_steps, 1):
             return
         if pl_module.device.type == "cuda":

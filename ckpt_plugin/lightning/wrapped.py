@@ -1,8 +1,9 @@
 """What the callback says about what it wrapped, besides the report: the report's rows in the model's order, and
-the over-keeping check (``measure/overkeep.py``) on its sample input, or else on the first training batch.
+a fixed mode's checks on its sample input, or else on the first training batch: the over-keeping check
+(``measure/overkeep.py``) and whether an offload mode's copies can hide behind the step (``apply/offload_outlook.py``).
 
     rows, options = report_rows(pl_module, plan)
-    check_overkeep(trainer, pl_module, config, wrapped, forward)   # forward None: nothing to measure on
+    check_fixed_mode(trainer, pl_module, config, wrapped, forward)   # forward None: nothing to measure on
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.install import warn_overkeep
+from ckpt_plugin.apply.offload_outlook import offload_outlook
 from ckpt_plugin.config.schema import CkptConfig
 from ckpt_plugin.engine.wrap import in_model_order
 from ckpt_plugin.lightning.sample import training_call
@@ -47,9 +49,10 @@ def batch_forward(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
     return forward
 
 
-def check_overkeep(trainer: pl.Trainer, pl_module: pl.LightningModule, config: CkptConfig, wrapped: list[str],
-                   forward: Callable[[], Any] | None = None, batch: Any = None) -> None:
-    """Warn on rank 0 where a fixed mode keeps more on a layer than no checkpointing (``apply.warn_overkeep``).
+def check_fixed_mode(trainer: pl.Trainer, pl_module: pl.LightningModule, config: CkptConfig, wrapped: list[str],
+                     forward: Callable[[], Any] | None = None, batch: Any = None) -> None:
+    """Warn on rank 0 where a fixed mode keeps more on a layer than no checkpointing (``apply.warn_overkeep``), and
+    where its offload moves more than the link carries while the step computes (``offload_outlook``), once each.
 
     ``forward``: the sample's; else the call ``training_step`` makes with ``batch`` (found only once the check
     is to run: finding it runs ``training_step`` up to that call). Skipped without either, and where parameters
@@ -62,6 +65,9 @@ def check_overkeep(trainer: pl.Trainer, pl_module: pl.LightningModule, config: C
     if forward is None:
         return
     warn_overkeep(pl_module, config, wrapped, forward, warn=lambda text: rank_zero_warn(text, category=UserWarning))
+    outlook = offload_outlook(pl_module, config, wrapped, forward)
+    if outlook is not None:
+        rank_zero_warn(outlook, category=UserWarning)
 
 
-__all__ = ["batch_forward", "check_overkeep", "report_rows"]
+__all__ = ["batch_forward", "check_fixed_mode", "report_rows"]

@@ -16,9 +16,9 @@ the layers in the order they run. Forward: layer ``i`` computes for its forward
 time; an offloaded layer's copy out is queued when it ends, on the out stream,
 after the copies before it; as it ends, the offloaded layers more than ``ahead``
 before it leave the device, the compute waiting for their copies out. Then the
-rest of the model (head, loss) runs forward and backward. Backward, layers in
-reverse: an offloaded layer's first unpack brings its bytes back if they are not
-yet (on demand; the last ``ahead`` offloaded layers never left), then sends back
+rest of the model (head, loss) runs forward and backward; as backward begins, the
+last ``ahead`` leave too. Backward, layers in reverse: an offloaded layer's first
+unpack brings its bytes back if they are not yet (on demand: the last), then sends back
 the next ``ahead`` offloaded layers in backward order (prefetch), each after its
 copy out; the layer's backward starts once its own bytes have arrived. Each
 layer's work is taken to be issued when the device reaches it (a host running
@@ -27,13 +27,16 @@ ends; what it adds over the compute alone is the *exposed* copy time.
 :func:`timeline` is that simulation, exactly; nothing else predicts it.
 
 **Choosing.** The planner's dynamic programme (``planner.py``) needs a cost per
-option; exposure is not additive (two layers share the link). So an offload
-option's cost starts as the exposure of offloading that layer alone
-(:func:`alone`), the plan is simulated, and where the whole exposes more than
-its options were priced at, the difference is charged to them and the plan is
-chosen again, a few times (as ``Profile.fit`` charges a peak it under-
-predicted); the plan kept is the fastest *as simulated* among those, and the
-best plan without offload, so that allowing offload never predicts slower.
+option; exposure is not additive (layers share the link, and only the last
+offloaded layer's bytes come back on demand). So an offload option's cost starts
+as what offloading that layer exposes where another offloaded layer follows it
+(:func:`between`), the last offloaded layer's copy back is added at the end of
+the programme (:func:`last_back`, from its state), the plan is simulated, and where
+the whole exposes more than it was priced at, the difference is charged to its
+offload options, spread by the bytes they copy, and the plan is chosen again, a
+few times (as ``Profile.fit`` charges a peak it under-predicted); the plan kept
+is the fastest *as simulated* among those, and the best plan without offload,
+so that allowing offload never predicts slower.
 
 **Memory.** An offloaded layer keeps on the device only what does not move
 (small storages, parameters); what it moves stays on the device until the
@@ -42,7 +45,8 @@ beside the layers between it and the next offloaded one. So the planner counts t
 moved bytes of the last ``ahead`` offloaded layers beside every later layer's
 running bytes and the rest's (``planner.py``: a state of its dynamic programme):
 exact for this engine, in the allocator's order. One offloaded layer alone saves
-nothing (its bytes stay until backward); a run of them saves all but ``ahead``.
+nothing in forward (its bytes stay until backward begins); a run of them saves all
+but the last ``ahead``.
 
 **No link, no offload.** On a CPU there is no link: the saved tensors already
 live in host memory. Where no bandwidth was measured, offload is never chosen,
@@ -56,6 +60,7 @@ from dataclasses import dataclass, replace
 
 from ckpt_plugin.engine.offload_copies import PREFETCH_AHEAD
 from ckpt_plugin.planning.options import FULL, FULL_OFFLOAD, KEEP, OFFLOAD, Option
+from ckpt_plugin.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,11 @@ class Link:
                 raise ValueError(f"Link.{name} must be > 0 bytes per second, got {value!r}")
 
     def __str__(self) -> str:
-        return (f"{self.out_bytes_per_s / 1e9:.1f} GB/s out, {self.back_bytes_per_s / 1e9:.1f} GB/s back "
-                f"({self.how})")
+        return f"{_rate(self.out_bytes_per_s)} out, {_rate(self.back_bytes_per_s)} back ({self.how})"
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.1f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
 @dataclass(frozen=True)
@@ -115,8 +123,8 @@ class Timeline:
 
     @property
     def exposed_s(self) -> float:
-        """Copy time the compute could not hide."""
-        return max(self.step_s - self.compute_s, 0.0)
+        """Copy time the compute could not hide, to the nanosecond."""
+        return _ns(max(self.step_s - self.compute_s, 0.0))
 
 
 def timeline(clocks: Clocks, steps: Iterable[Step]) -> Timeline:
@@ -146,8 +154,11 @@ def timeline(clocks: Clocks, steps: Iterable[Step]) -> Timeline:
                     gone.add(k)
     now += clocks.rest_forward_s + clocks.rest_backward_s
     compute += clocks.rest_forward_s + clocks.rest_backward_s
+    for k in offloaded:  # backward begins: the last `ahead` leave too, the compute waiting for their copies
+        if k not in gone:
+            now = max(now, out_done[k])
     back_free = 0.0
-    back_done: dict[int, float] = {k: 0.0 for k in offloaded if k not in gone}  # the last `ahead`: never left
+    back_done: dict[int, float] = {}
     for i in range(len(steps) - 1, -1, -1):
         name, _option, added, moved = steps[i]
         layer = clocks.layers[name]
@@ -165,12 +176,30 @@ def timeline(clocks: Clocks, steps: Iterable[Step]) -> Timeline:
     return Timeline(now, compute, sum(s[3] for s in steps))
 
 
-def alone(clocks: Clocks, steps: list[Step], i: int, option: Option, added: float, moved: int) -> float:
-    """Exposed copy time with layer ``i`` under ``option`` (moving ``moved`` bytes) and the others as in
-    ``steps`` (keep, for :func:`with_offload`): what the planner prices the option at before it knows the rest."""
-    changed = list(steps)
-    changed[i] = (steps[i][0], option, added, moved)
-    return timeline(clocks, changed).exposed_s - timeline(clocks, steps).exposed_s
+def between(clocks: Clocks, names: list[str], i: int, copied: int) -> float:
+    """The copy time offloading layer ``i`` (``names[i]``, copying ``copied`` bytes each way) exposes where an
+    offloaded layer follows it, every other kept: its copy out beyond the next layer's forward (the next call's
+    end lets it go), its copy back beyond the next layer's backward (prefetched as that one's begins). The
+    planner's price for the option; the last offloaded layer's copy back, on demand, is priced apart
+    (:func:`last_back`), the whole by :func:`timeline`."""
+    link = clocks.link
+    if i + 1 < len(names):
+        after = clocks.layers[names[i + 1]]
+        return _ns(max(copied / link.out_bytes_per_s - after.forward_s, 0.0)
+                   + max(copied / link.back_bytes_per_s - after.backward_s, 0.0))
+    return _ns(max(copied / link.out_bytes_per_s - clocks.rest_forward_s - clocks.rest_backward_s, 0.0))
+
+
+def _ns(seconds: float) -> float:
+    """``seconds`` to the nanosecond: copy times below it are no time, and must not decide between plans (over a
+    link taken as unlimited, 1e-23 s would put a smaller last layer before fewer layers offloaded)."""
+    return round(seconds, 9)
+
+
+def last_back(clocks: Clocks, pending: tuple[int, ...]) -> float:
+    """The copy back of the last offloaded layers (``pending``: their bytes, the planner's state), on demand as
+    backward begins: nothing runs before it to hide it."""
+    return _ns(sum(pending) / clocks.link.back_bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -181,11 +210,11 @@ class Moves:
     copied_bytes: Mapping[Option, int]  # what its copies carry each way (every storage it saves that moves)
 
 
-def offload_costs(name: str, options: Mapping[Option, object], moves: Moves, clocks: Clocks,
-                  steps: list[Step], i: int) -> dict[Option, object]:
-    """Layer ``name``'s two offload options as :class:`~ckpt_plugin.planning.planner.Cost` s (``offload`` from
-    its ``keep``, ``full+offload`` from its ``full``): on the device it keeps what does not move, its running
-    bytes stay, its cost is what the option it offloads adds plus the exposure of offloading it alone.
+def offload_costs(names: list[str], i: int, options: Mapping[Option, object], moves: Moves,
+                  clocks: Clocks) -> dict[Option, object]:
+    """Layer ``names[i]``'s two offload options as :class:`~ckpt_plugin.planning.planner.Cost` s (``offload``
+    from its ``keep``, ``full+offload`` from its ``full``): on the device it keeps what does not move, its
+    running bytes stay, its cost is what the option it offloads adds plus the exposure :func:`between` prices.
     A layer that would move nothing gets neither."""
     made = {}
     for offloaded, base in ((OFFLOAD, KEEP), (FULL_OFFLOAD, FULL)):
@@ -193,7 +222,7 @@ def offload_costs(name: str, options: Mapping[Option, object], moves: Moves, clo
         device, copied = moves.device_bytes.get(base, 0), moves.copied_bytes.get(base, 0)
         if cost is None or device <= 0 or copied <= 0:
             continue
-        exposed = alone(clocks, steps, i, offloaded, cost.seconds, copied)
+        exposed = between(clocks, names, i, copied)
         made[offloaded] = replace(cost, kept_bytes=max(cost.kept_bytes - device, 0), moved_bytes=device,
                                   copied_bytes=copied, seconds=cost.seconds + exposed, exposed_seconds=exposed)
     return made
@@ -229,7 +258,8 @@ def fastest_as_simulated(profiles: list, first: tuple, cheapest, clocks: Clocks)
     for _ in range(_TRIES):
         chosen = current[1]
         exposed = timeline(clocks, steps_of(profiles, chosen)).exposed_s
-        priced = sum(p.options[o].exposed_seconds for p, o in zip(layers, chosen))
+        last = [p.options[o].moved_bytes for p, o in zip(layers, chosen) if o.offload][-clocks.ahead:]
+        priced = sum(p.options[o].exposed_seconds for p, o in zip(layers, chosen)) + last_back(clocks, tuple(last))
         copied = sum(p.options[o].copied_bytes for p, o in zip(layers, chosen) if o.offload)
         if exposed <= priced or not copied:
             break
@@ -268,12 +298,40 @@ def with_offload(measured, times, moves: Mapping[str, Moves], link: Link | None,
         return replace(measured, offload_note="offload: not an option where the options are timed compiled "
                                               "(ckpt.timing=eager plans it)")
     clocks = clocks_of(measured.layers, times, link)
-    kept = [(layer.name, KEEP, 0.0, 0) for layer in measured.layers]
-    layers = [replace(layer, options={**layer.options, **offload_costs(layer.name, layer.options,
+    names = [layer.name for layer in measured.layers]
+    layers = [replace(layer, options={**layer.options, **offload_costs(names, i, layer.options,
                                                                          moves.get(layer.name, Moves({}, {})),
-                                                                         clocks, kept, i)})
+                                                                         clocks)})
               for i, layer in enumerate(measured.layers)]
     return replace(measured, layers=layers, clocks=clocks, offload_note=f"offload priced on the host link: {link}")
+
+
+def fixed_timeline(measured, option: Option) -> Timeline:
+    """The step with every layer of ``measured`` (a ``Profile`` with clocks) under ``option`` (``offload``, or
+    ``full+offload``) where it has that option, else under the option it offloads (a layer moving nothing)."""
+    base = KEEP if option == OFFLOAD else FULL
+    steps = []
+    for layer in measured.layers:
+        cost = layer.options.get(option) or layer.options[base]
+        moved = cost.copied_bytes if option in layer.options else 0
+        steps.append((layer.name, option, cost.seconds - cost.exposed_seconds, moved))
+    return timeline(measured.clocks, steps)
+
+
+def cannot_hide(line: Timeline, link: Link, mode: str, layers: str, peak: int) -> str | None:
+    """The warning of a fixed offload mode whose copies need more time than the step computes; None where
+    they need less. ``mode``: how the run names the mode (``ckpt=offload``); ``layers``: its ``ckpt.layers``;
+    ``peak``: the activation peak it reaches (predicted), for the budget that plans the same memory."""
+    copies = line.moved_bytes / link.out_bytes_per_s + line.moved_bytes / link.back_bytes_per_s
+    if copies <= line.compute_s:
+        return None
+    return (f"{mode} moves {format_bytes(line.moved_bytes)} ({line.moved_bytes} B) per step to host memory and "
+            f"back: {1e3 * copies:.1f} ms of copies at {link}, against {1e3 * line.compute_s:.1f} ms of compute in "
+            f"the step, so they cannot hide behind it: predicted step {line.step_s / line.compute_s:.2f}x the same "
+            f"step without offload (+{1e3 * line.exposed_s:.1f} ms, two streams simulated over the layers' times). "
+            f"Plan it instead: ckpt=auto ckpt.layers={layers} ckpt.memory=device offloads only what the compute "
+            f"hides (the fastest plan that fits the device), or ckpt.budget={peak}B plans the activation memory "
+            "this offload reaches")
 
 
 def no_link_line(device: str) -> str:
@@ -284,5 +342,6 @@ def no_link_line(device: str) -> str:
     return f"offload: not an option: no host link was measured for {device}"
 
 
-__all__ = ["Clocks", "LayerClock", "Link", "Moves", "Step", "Timeline", "alone", "clocks_of", "fastest_as_simulated",
-           "no_link_line", "offload_costs", "simulated_seconds", "steps_of", "timeline", "with_offload"]
+__all__ = ["Clocks", "LayerClock", "Link", "Moves", "Step", "Timeline", "between", "cannot_hide", "clocks_of",
+           "fastest_as_simulated", "fixed_timeline", "last_back", "no_link_line", "offload_costs", "simulated_seconds", "steps_of",
+           "timeline", "with_offload"]

@@ -39,7 +39,7 @@ from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.measure.memory import REST
 from ckpt_plugin.planning.frontier import pareto
 from ckpt_plugin.planning.nofit import NoFit
-from ckpt_plugin.planning.offload_plan import Clocks, fastest_as_simulated, simulated_seconds
+from ckpt_plugin.planning.offload_plan import Clocks, fastest_as_simulated, last_back, simulated_seconds
 from ckpt_plugin.engine.offload_copies import PREFETCH_AHEAD
 from ckpt_plugin.planning.options import KEEP, OPTIONS, Option
 from ckpt_plugin.units import format_bytes
@@ -327,13 +327,15 @@ def _after(pending: tuple[int, ...], cost: Cost, ahead: int) -> tuple[int, ...]:
     return (*pending, cost.moved_bytes)[-ahead:]
 
 
-def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int, ahead: int = PREFETCH_AHEAD):
+def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int, ahead: int = PREFETCH_AHEAD,
+              clocks: Clocks | None = None):
     """(cost, choices) of the least recompute whose peak fits ``budget``, or None.
 
     Frontier entries are (bytes kept so far, cost, choices): bytes ascending, cost
     strictly descending. Keeping fewer bytes never makes a later option infeasible,
     so a dominated entry can never be completed more cheaply. One frontier per state
-    of what the last offloaded layers moved (:func:`_after`): one in all without offload.
+    of what the last offloaded layers moved (:func:`_after`): one in all without offload;
+    with ``clocks``, the state's copy back, on demand, is added at the end (``last_back``).
     """
     frontiers: dict[tuple[int, ...], list] = {(): [(0, (0.0, 0, 0), ())]}
     for layer in profiles:
@@ -346,7 +348,8 @@ def _cheapest(profiles: list[LayerProfile], budget: int, rest_running: int, ahea
                         grown.setdefault(_after(pending, c, ahead), []).append(
                             (kept + c.kept_bytes, (seconds + t, flops + f, level + n), chosen + (o,)))
         frontiers = {pending: pareto(sorted(entries), lambda entry: entry[:2]) for pending, entries in grown.items()}
-    fits = [(cost, chosen) for pending, frontier in frontiers.items() for kept, cost, chosen in frontier
+    fits = [((cost[0] + last_back(clocks, pending), *cost[1:]) if pending and clocks else cost, chosen)
+            for pending, frontier in frontiers.items() for kept, cost, chosen in frontier
             if kept + rest_running + sum(pending) <= budget]
     return min(fits) if fits else None
 
@@ -402,10 +405,10 @@ def choose(
         best = ((0.0, 0, 0), tuple(KEEP for _ in profiles))
     else:
         ahead = clocks.ahead if clocks is not None else PREFETCH_AHEAD
-        best = _cheapest(profiles, budget_bytes, rest_running, ahead)
+        best = _cheapest(profiles, budget_bytes, rest_running, ahead, clocks)
         if best is not None and clocks is not None and any(o.offload for o in best[1]):
             best = fastest_as_simulated(profiles, best, lambda layers: _cheapest(layers, budget_bytes, rest_running,
-                                                                                 ahead), clocks)
+                                                                                 ahead, clocks), clocks)
     if best is None:
         smallest = smallest_peak(profiles, rest_running)
         # Without a measured reference, the model's own peak with every layer kept (or keeping the most).

@@ -64,7 +64,9 @@ class Recorder(TorchDispatchMode):
         self.backward_held = 0  # analyse(): bytes made after the layers' forward and alive, unkept, through backward
         self.late_alive = 0  # analyse(): the most made after the layers' forward (the loss, its targets) alive in a recomputation
         self.order: list[str] = []  # the layers in the order they first ran forward
-        self.movable: dict[int, tuple[int, set[str]]] = {}  # uid -> (bytes, windows whose ops saved it), if offload moves it
+        # uid (or ("outside", id) for a storage made before the step) -> (bytes, windows whose ops saved it), where
+        # offload would copy it
+        self.movable: dict[Any, tuple[int, set[str]]] = {}
         self.kept_owner: dict[int, str] = {}  # analyse(): uid -> the window its kept bytes count in
         # Windows inside windows (a layer's parts, inside.py): each call of a window runs in units, its own
         # ops before its first part, between two parts, after the last (unit j: after j parts), and each part.
@@ -138,11 +140,13 @@ class Recorder(TorchDispatchMode):
         which holds its inputs under every option, whether its ops save them or not)."""
         if isinstance(t, torch.Tensor) and not checkpoint_placeholder(t):  # torch 2.11's 0-byte one: not kept
             uid = self._uid(t, create=False)
+            window = owner or (self.stack[-1] if self.stack else REST)
             if uid is not None:
-                window = owner or (self.stack[-1] if self.stack else REST)
                 self.events.append(("pack", uid, window))
-                if owner is None and should_move(t, OFFLOAD_MIN_BYTES):  # saved by an op: offload would move it
-                    self.movable.setdefault(uid, (t.untyped_storage().nbytes(), set()))[1].add(window)
+            if owner is None and should_move(t, OFFLOAD_MIN_BYTES):  # saved by an op: offload would copy it
+                # Made before the step (the batch, a buffer): copied too, though the device keeps it anyway.
+                key = uid if uid is not None else ("outside", id(t.untyped_storage()))
+                self.movable.setdefault(key, (t.untyped_storage().nbytes(), set()))[1].add(window)
         return t
 
     def moves(self, kept_owner: dict[int, str]) -> tuple[dict[str, int], dict[str, int]]:
@@ -159,7 +163,7 @@ class Recorder(TorchDispatchMode):
         for uid, (nbytes, windows) in self.movable.items():
             for window in windows:
                 copied[window] += nbytes
-            owner = kept_owner.get(uid)
+            owner = kept_owner.get(uid) if isinstance(uid, int) else None
             if owner is not None and windows == {owner} == packed_by[uid]:
                 freed[owner] += self.sizes[uid]
         return dict(freed), dict(copied)
