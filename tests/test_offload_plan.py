@@ -17,7 +17,6 @@ from conftest import gpt_batch, small_gpt
 
 from ckpt_plugin.apply.install import apply_config
 from ckpt_plugin.config.schema import make_config
-from ckpt_plugin.errors import ConfigError
 from ckpt_plugin.planning.offload_plan import (
     Clocks,
     LayerClock,

@@ -166,6 +166,33 @@ def test_three_steps_bitwise_with_the_pool_reused(copies_on_cpu, keys):
     assert pool.live == 0 and pool.started_over == 3  # every region given back after each step's backward
 
 
+def test_three_steps_bitwise_under_auto_where_it_plans_offload(copies_on_cpu, monkeypatch):
+    """ckpt=auto over a link taken as unlimited (measure_link's answer replaced: no GPU here) plans offload for
+    the layers a tight budget needs; three steps with its plan are bitwise those without, the pool reused."""
+    from ckpt_plugin.apply.install import install_plan
+    from ckpt_plugin.apply.plan import plan_for
+    from ckpt_plugin.config.schema import make_config
+    from ckpt_plugin.planning import link as links
+    from ckpt_plugin.planning.offload_plan import Link
+
+    monkeypatch.setattr(links, "measure_link", lambda device, *a, **k: Link(1e30, 1e30, "unlimited"))
+    plain = _net()
+    expected = _steps(plain, lambda s: plain.loss(*_batch(s)))
+    model = _net()
+    plan = plan_for(model, make_config(mode="auto", layers="Mixed", budget=0.6), lambda: model.loss(*_batch(0)))
+    assert {str(o) for o in plan.planned.choices.values()} & {"offload", "full+offload"}, plan.summary
+    install_plan(model, plan)
+    (offloader,) = offloaders_of(model)
+    allocations = []
+
+    def loss(step: int) -> torch.Tensor:
+        allocations.append(offloader.host_allocations)
+        return model.loss(*_batch(step))
+
+    _assert_bitwise(expected, _steps(model, loss))
+    assert allocations[1] > 0 and offloader.host_allocations == allocations[1]
+
+
 def test_backward_brings_back_each_call_and_the_next_ahead_of_use(copies_on_cpu):
     """Every call but the last comes back ahead of its use, and no more than ``ahead`` calls are on the device beside
     the one backward runs; in forward, no more than ``ahead`` calls stay on the device after each call ends."""
