@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import _compat
 from ckpt_plugin._compat import checkpoint as compat_checkpoint
-from ckpt_plugin._compat import regions
+from ckpt_plugin._compat import region_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,10 +221,10 @@ def test_our_run_of_a_region_gives_torchs_gradients(monkeypatch: pytest.MonkeyPa
 
 
 def test_region_generator_signature_is_checked() -> None:
-    generator = regions._region_generator()
+    generator = region_generator._region_generator()
     assert generator is torch.utils.checkpoint._checkpoint_without_reentrant_generator
     names = list(inspect.signature(generator).parameters)
-    assert tuple(names[: len(regions._REGION_PARAMETERS)]) == regions._REGION_PARAMETERS
+    assert tuple(names[: len(region_generator._REGION_PARAMETERS)]) == region_generator._REGION_PARAMETERS
 
 
 def test_region_generator_fails_loudly_on_a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,12 +233,12 @@ def test_region_generator_fails_loudly_on_a_changed_signature(monkeypatch: pytes
         yield
 
     monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", reordered)
-    regions._region_generator.cache_clear()
+    region_generator._region_generator.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="changed its signature"):
-            regions._region_generator()
+            region_generator._region_generator()
     finally:
-        regions._region_generator.cache_clear()
+        region_generator._region_generator.cache_clear()
 
 
 def test_checkpoint_wrapper_type_is_what_checkpoint_wrapper_makes() -> None:

@@ -59,11 +59,11 @@ from ckpt_plugin._compat.hooks import (
 from ckpt_plugin._compat.memory import CategoryPeakTracker, MemTracker
 from ckpt_plugin._compat.ops import TorchDispatchMode, argument, beneath_dispatch_modes, is_mutable, op_flops, written
 from ckpt_plugin._compat.pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
+from ckpt_plugin._compat.region_generator import close_region
 from ckpt_plugin._compat.regions import (
     checkpoint_debug_enabled,
     checkpoint_placeholder,
     checkpointed_fn,
-    close_region,
     module_running,
     open_region,
 )

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from ckpt_plugin._compat.region_generator import _region_generator, close_region
+
 
 def stop_recomputation_error() -> type[BaseException] | None:
     """torch's private ``_StopRecomputationError``, or None where this torch has no such class."""
@@ -175,8 +177,6 @@ def _checkpoint_closing_on_error(fn: Any, *args: Any, preserve_rng_state: bool =
                                  **kwargs: Any) -> Any:
     """torch 2.13's non-reentrant ``checkpoint(fn, *args, **kwargs)`` on torch 2.11 and 2.12 (same defaults):
     the region's contexts exit when ``fn`` raises, innermost first, and see its error."""
-    from ckpt_plugin._compat.regions import _region_generator, close_region  # regions imports this module
-
     gen = _region_generator()(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop,
                               *args, **kwargs)
     next(gen)
