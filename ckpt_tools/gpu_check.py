@@ -24,7 +24,8 @@ the path, then the repository root, for every step); the environment (torch, CUD
 device, Lightning, Python); pinned host <-> device copy bandwidth; the tests that skip
 without CUDA (found by :func:`cuda_tests`); ``ckpt-bench`` on the example GPT at a
 size that keeps a GPU busy (:data:`GPU_GPT`, bf16-mixed) for ``none``, ``full``,
-``selective`` and ``offload``, then ``auto`` at 0.5 in a run of its own (planning on a
+``selective`` and ``offload``; ``ckpt-bench --offload`` (:data:`OFFLOAD_BUDGET`: offload's
+pool, overlap and planning, issue #41); then ``auto`` at 0.5 in a run of its own (planning on a
 new machine may be slow: it must not cost the others); ``ckpt.memory`` with
 ``ckpt.batch=max`` (``bench fit``) and under Lightning's FSDP on the one GPU
 (``fsdp fit``: :data:`FSDP_FIT`); last, with what is left of
