@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,17 @@ def small_resnet(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides)
     torch.manual_seed(seed)
     kwargs = dict(channels=16, depths=(2, 2), image_size=8, dropout=0.1, batch_size=4) | overrides
     return ResNet(**kwargs).to(dtype)
+
+
+def added_in_order(seconds: Iterable[float]) -> float:
+    """``seconds`` added one at a time from the left, from 0.0: the planners' arithmetic (planning/planner.py's and
+    planning/inside.py's frontiers grow a total layer by layer, part by part).
+
+    An exhaustive search that must match a plan's seconds exactly adds this way, not with ``sum()``: from Python
+    3.12 on, ``sum()`` of floats compensates the rounding (cpython gh-100425) and can differ from the planner's
+    total in the last digit (tests/test_auto.py's random profiles did, on the GPU machine's Python 3.12).
+    """
+    return functools.reduce(operator.add, seconds, 0.0)
 
 
 def gpt_batch(model: GPT, batch: int = 2, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
+from conftest import added_in_order, gpt_batch, resnet_batch, small_gpt, small_resnet
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckpt_plugin import apply_checkpointing, remove_checkpointing, wrapped_modules
@@ -100,7 +100,7 @@ def _all_choices(layers, rest, rest_running):
         # bytes (which include the rest's keeps); after the last, every layer keeps, plus the rest's.
         before = [0, *itertools.accumulate(c.kept_bytes for _, c in combo)]
         peak = max([before[-1] + rest_running] + [k + c.running_bytes for k, (_, c) in zip(before, combo)])
-        seconds = sum(c.seconds for _, c in combo)
+        seconds = added_in_order(c.seconds for _, c in combo)  # as the planner adds them, layer by layer
         flops = sum(c.recompute_flops for _, c in combo)
         out.append((peak, (seconds, flops, _level(o for o, _ in combo)), tuple(o for o, _ in combo)))
     return out

@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from conftest import gpt_batch, resnet_batch, small_gpt, small_resnet
+from conftest import added_in_order, gpt_batch, resnet_batch, small_gpt, small_resnet
 
 from ckpt_plugin import remove_checkpointing
 from ckpt_plugin.apply.install import apply_config
@@ -176,7 +176,8 @@ def _brute(chain: Chain, parts: list[dict[Option, Cost]]):
             kept += c.kept_bytes
             peak = max(peak, kept + chain.glue_running[j])
             late = max(late, kept + chain.glue_running[j] + chain.held)
-        yield (chain.glue_kept + kept, peak, late, sum(c.seconds for c in combo), sum(c.recompute_flops for c in combo))
+        yield (chain.glue_kept + kept, peak, late, added_in_order(c.seconds for c in combo),  # as _frontier adds
+               sum(c.recompute_flops for c in combo))
 
 
 @pytest.mark.parametrize("seed", range(6))
