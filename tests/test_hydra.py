@@ -5,7 +5,8 @@ A. Every YAML preset (the ckpt, model, data and trainer groups, wherever each li
 B. ``recipes/train.py`` as a subprocess: what each ``ckpt.*`` override wraps,
    read from the table the callback prints.
 C. A user's own Hydra app outside the repo: ``callbacks: activation_checkpointing``
-   resolves from the installed package (search-path plugin) and works there.
+   resolves from the installed package (search-path plugin) and works there. Where the
+   package is not installed (the GPU check's machines), from the checkout on PYTHONPATH.
 
 B and C start subprocesses (~5-10 s each, mostly imports). They are launched
 together, on a small thread pool, as soon as the first test of this module
@@ -19,7 +20,9 @@ import importlib.util
 import os
 import re
 import subprocess
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cache
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -196,11 +199,26 @@ APP_TESTS = {
 }
 
 
+@cache
+def _installed() -> bool:
+    """Whether this interpreter imports ckpt_plugin with nothing of the repo on its path: pip installed it.
+
+    ``-I``: no PYTHONPATH, no working directory (nor user site) on ``sys.path``; an editable install still counts.
+    """
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('ckpt_plugin') is None)"
+    return subprocess.run([sys.executable, "-I", "-c", probe], timeout=60).returncode == 0
+
+
 def run_user_app(app: Path, overrides: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     """``python train.py ...`` in the user's app folder, as the user would type it."""
     args = ["train.py", f"hydra.run.dir={run_dir}", *overrides]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the repo on the path
-    env |= {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    if _installed():
+        env.pop("PYTHONPATH", None)  # the installed package alone: nothing of the repo on the path
+    # Else (the GPU check's machines, docs/gpu.md: the checkout and the carried wheels on PYTHONPATH, nothing
+    # installed) the app reaches the package as that environment does, and Hydra finds the same search-path
+    # plugin, the checkout's hydra_plugins/, by the same scan of sys.path. With neither, the app fails: no skip,
+    # so that a broken install fails here.
     return warm_python.run(args, env=env, cwd=app, timeout=600)
 
 
