@@ -57,6 +57,7 @@ from typing import Any
 
 from ckpt_tools import gpu_summary
 from ckpt_tools.gpu_summary import offload_overlap
+from ckpt_tools.gpu_summary import skip_reasons as _skip_reasons
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "test.lock"
@@ -432,6 +433,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "tests": {"cuda": cuda,
                   "core": {"files": list(core_files), "passed": counts["passed"], "failed": counts["failed"],
                            "errors": counts["error"], "skipped": counts["skipped"],
+                           # what the machine lacks (DeepSpeed, an installed package, ...): each reason, how many
+                           "skip_reasons": _skip_reasons(core),
                            "not_passed": [r for r in core if r["outcome"] in ("failed", "error")]}},
         "bench": {"setup": setup_line, "rows": rows},
         "bandwidth": bandwidth,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from ckpt_tools.bench_offload import offload_table
@@ -44,6 +45,11 @@ def _mib(n: float | None) -> str:
     return "–" if n is None else f"{n / MiB:.1f}"
 
 
+def skip_reasons(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """``{reason: how many}`` of the skipped ``rows``, the most frequent first."""
+    return dict(Counter(r["message"] or "(no reason given)" for r in rows if r["outcome"] == "skipped").most_common())
+
+
 def summary(results: dict[str, Any], table_modes: tuple[str, ...], fit: tuple[str, str], fsdp_fit: dict[str, Any],
             status: Any) -> str:
     """Every table of the check, as markdown. ``table_modes``: the bench's rows, in order; ``fit``: ``bench fit``'s
@@ -65,6 +71,9 @@ def summary(results: dict[str, Any], table_modes: tuple[str, ...], fit: tuple[st
               f"| {core['errors']} | {core['skipped']} |"]
     if core["not_passed"]:
         lines += ["", *(f"- {r['id']}: {r['outcome']}: {_cell(r['message'])}" for r in core["not_passed"])]
+    if core.get("skip_reasons"):  # a skip is not a pass: say what each stands for
+        lines += ["", "Skipped, by reason:", "",
+                  *(f"- {n} skipped: {_cell(reason)}" for reason, n in core["skip_reasons"].items())]
     bench = results["bench"]
     lines += ["", "## ckpt-bench", "", bench["setup"], "",
               "| mode | step (ms) | time / none | peak (MiB) | peak / none | kept by the forward (MiB) "
@@ -136,4 +145,4 @@ def summary(results: dict[str, Any], table_modes: tuple[str, ...], fit: tuple[st
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["offload_overlap", "summary"]
+__all__ = ["offload_overlap", "skip_reasons", "summary"]

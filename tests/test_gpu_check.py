@@ -6,6 +6,7 @@ tiny GPT: the files, every step's status, one table row per mode and the exact b
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -17,7 +18,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from ckpt_tools.gpu_check import (
-    CORE_TESTS, DRY_TESTS, LOCK, ROOT, TABLE_MODES, WHEELS, cuda_tests, locked_versions, offload_overlap,
+    CORE_TESTS, DRY_TESTS, LOCK, ROOT, TABLE_MODES, WHEELS, _skip_reasons, cuda_tests, locked_versions,
+    offload_overlap, summary,
 )
 
 FILES = ("summary.md", "results.json", "setup.log", "tests.log", "bench.log", "plot.png")
@@ -64,6 +66,22 @@ def test_cuda_tests_are_listed_and_skip_on_cpu(dry) -> None:
     core = results["tests"]["core"]
     assert core["files"] == list(DRY_TESTS)
     assert (core["passed"], core["failed"], core["errors"], core["not_passed"]) == (len(DRY_TESTS), 0, 0, [])
+
+
+def test_core_skips_are_listed_by_reason(dry) -> None:
+    """A skipped core test (what the GPU machine lacks) is named in summary.md with its reason, not only counted."""
+    _, results, summary_md = dry
+    assert results["tests"]["core"]["skip_reasons"] == {} and "Skipped, by reason" not in summary_md
+    rows = [{"id": f"tests/test_x.py::test_{i}", "outcome": outcome, "seconds": 0.0, "message": message}
+            for i, (outcome, message) in enumerate([("skipped", "DeepSpeed is not installed"), ("passed", ""),
+                                                    ("skipped", "needs CUDA"), ("skipped", "needs CUDA")])]
+    reasons = _skip_reasons(rows)
+    assert list(reasons.items()) == [("needs CUDA", 2), ("DeepSpeed is not installed", 1)]
+    results = copy.deepcopy(results)  # the module's one dry run: the other tests read it as written
+    results["tests"]["core"] |= {"skipped": 3, "skip_reasons": reasons}
+    lines = summary(results).splitlines()
+    at = lines.index("Skipped, by reason:")
+    assert lines[at + 2:at + 4] == ["- 2 skipped: needs CUDA", "- 1 skipped: DeepSpeed is not installed"]
 
 
 def test_bench_table_has_one_row_per_mode(dry) -> None:
