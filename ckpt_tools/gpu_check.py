@@ -44,17 +44,17 @@ import ast
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ckpt_tools import gpu_summary
+from ckpt_tools.gpu_steps import Check, Step
 from ckpt_tools.gpu_summary import offload_overlap
 from ckpt_tools.gpu_summary import skip_reasons as _skip_reasons
 
@@ -146,82 +146,6 @@ out = {"d2h_bytes_per_s": best(lambda: host.copy_(dev, non_blocking=True)),
        "h2d_bytes_per_s": best(lambda: dev.copy_(host, non_blocking=True))}
 print("GPU_CHECK_BANDWIDTH " + json.dumps(out))
 """
-
-
-@dataclass
-class Step:
-    """One step's process: what ran, how it ended, where its output is."""
-
-    name: str
-    command: list[str]
-    log: str
-    limit_s: float
-    returncode: int | None = None  # None: not started (no time was left)
-    seconds: float = 0.0
-    timed_out: bool = False
-    note: str = ""
-
-    @property
-    def status(self) -> str:
-        if self.returncode is None:
-            return f"not run: {self.note}" if self.note else "not run"
-        if self.timed_out:
-            return f"timed out after {self.limit_s:.0f} s"
-        return "ok" if self.returncode == 0 else f"failed (exit {self.returncode})"
-
-
-@dataclass
-class Check:
-    """The run: its folders, its deadline and the steps so far."""
-
-    out: Path
-    work: Path
-    env: dict[str, str]
-    deadline: float  # time.monotonic() by which the last step must end
-    steps: list[Step] = field(default_factory=list)
-
-    def run(self, name: str, command: list[str], log: str) -> Step:
-        """Run ``command`` in the repository root, output appended to ``out/log``, within its limit."""
-        left = self.deadline - time.monotonic()
-        step = Step(name, command, log, max(0.0, min(LIMITS[name], left)))
-        self.steps.append(step)
-        if step.limit_s < 5:
-            step.note = "the check's deadline came first"
-            return step
-        with open(self.out / log, "a") as f:
-            f.write(f"\n===== {name}: {' '.join(command)} (limit {step.limit_s:.0f} s)\n")
-            f.flush()
-            start = time.monotonic()
-            # A session of its own, so that a step past its limit is ended with every process it started.
-            proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                step.returncode = proc.wait(timeout=step.limit_s)
-            except subprocess.TimeoutExpired:
-                step.timed_out = True
-                _end(proc)
-                step.returncode = proc.returncode
-            step.seconds = time.monotonic() - start
-            f.write(f"===== {name}: {step.status}, {step.seconds:.1f} s\n")
-        return step
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """SIGINT to the step's process group, then SIGTERM, then SIGKILL, each if it is still there.
-
-    SIGINT first: pytest stops as on Ctrl-C and still writes its summary and its junit XML, so a
-    test step cut by its limit reports the tests it ran.
-    """
-    for sig, wait in ((signal.SIGINT, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def locked_versions(names: tuple[str, ...] = WHEELS, lock: Path = LOCK) -> dict[str, str]:
@@ -355,7 +279,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     sys.path[:0] = [p for p in path if p not in sys.path]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, *filter(None, [os.environ.get("PYTHONPATH")])]),
                PYTHONUNBUFFERED="1")
-    run = Check(out, work, env, t0 + args.deadline)
+    run = Check(out, work, env, t0 + args.deadline, LIMITS, ROOT)
 
     if not args.dry_run:
         wheels = sorted(args.wheels.glob("*.whl")) if args.wheels.is_dir() else []
