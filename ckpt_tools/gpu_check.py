@@ -91,7 +91,7 @@ TABLE_MODES = (*BENCH_MODES, *AUTO_MODES)
 
 # Seconds per step, each also cut to what is left of --deadline (the whole check's limit).
 LIMITS = {"install": 60, "env": 60, "bandwidth": 60, "cuda tests": 120, "bench": 200, "bench auto": 150,
-          "bench fit": 150, "bench offload": 200, "fsdp fit": 120, "core tests": 150, "tests": 150}
+          "bench fit": 150, "bench offload": 280, "fsdp fit": 120, "core tests": 150, "tests": 150}
 # ckpt.memory with ckpt.batch=max on the GPU (issue #34): halfway between the least whole step and none's, a GPT
 # a quarter of GPU_GPT's depth (the chosen batch runs without checkpointing too, for samples per second).
 FIT_GPT = "n_layer=4,n_embd=2048,n_head=16,block_size=1024,batch_size=8"
