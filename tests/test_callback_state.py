@@ -154,7 +154,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_checkpoint_records_the_keys_and_what_was_wrapped(saved: Path) -> None:
     checkpoint = torch.load(saved, weights_only=True)  # plain Python: loads without unpickling our classes
     assert checkpoint["callbacks"] == {"ActivationCheckpointing": {
-        "config": {"layers": ["Block"], "every_n": 1, "mode": "full", "preserve_rng_state": True,
+        "config": {"layers": ["Block"], "every_n": 1, "sample": "step", "mode": "full", "preserve_rng_state": True,
                    "check_recompute": False, "segments": None, "budget": None, "offload": False, "deepspeed": None,
                    "compile": False},
         "wrapped": BLOCKS,

@@ -23,6 +23,11 @@ HELP: dict[str, str] = {
         "regexes (re:blocks\\.[0-9]+); one or a list. A plain word that names a module wins over a class name."
     ),
     "every_n": "Wrap every n-th matched layer (unset: 1, every one).",
+    "sample": (
+        "What the plugin measures (ckpt=auto's plan, the report, its checks): step (unset), the step the trainer "
+        "runs, training_step on the first training batch, its loss included, every effect a user could see put "
+        "back; forward, the module's forward on example_input_array; none, nothing (fixed modes)."
+    ),
     "preserve_rng_state": (
         "Replay the RNG state on recompute, so dropout masks match (unset: true). Not for offload."
     ),

@@ -53,6 +53,7 @@ class LayerSelection:
 
     layers: str | Sequence[str] | None = None  # read into a tuple of entries
     every_n: int = 1
+    sample: str = "step"  # what measuring runs: step (the trainer's training_step), forward, or none
 
     # Values read into their types when the config is built (never again). Class attributes, not annotated: not
     # keys, so not fields (as_keys, Hydra's node and the callback's signature see only the keys).
@@ -81,7 +82,19 @@ class LayerSelection:
         layers, problems = read_layers(self.layers)
         if layers is not None:
             self.layers = layers
-        return problems + every_n_problems(self.every_n)
+        return problems + every_n_problems(self.every_n) + sample_problems(self.sample)
+
+
+SAMPLES = ("step", "forward", "none")  # ckpt.sample's values (lightning/step.py says what each runs)
+
+
+def sample_problems(value: Any) -> list[Problem]:
+    """``ckpt.sample``: one of :data:`SAMPLES`."""
+    if isinstance(value, str) and value in SAMPLES:
+        return []
+    return [Problem("ckpt.sample", f"ckpt.sample={value!r} is not one of {', '.join(SAMPLES)}",
+                    "step: the trainer's training_step on the first batch (the default); forward: the module's "
+                    "forward on example_input_array; none: measure nothing (fixed modes)")]
 
 
 def _check_bool(key: str, value: Any) -> list[Problem]:
@@ -257,6 +270,9 @@ class AutoConfig(LayerSelection):
         problems = [p for p in self._read_selection() if not (given and self.layers is None and p.key == "ckpt.layers")]
         problems += _check_bool("preserve_rng_state", self.preserve_rng_state) + _plan_problems(self.plan)
         problems += _check_bool("offload", self.offload)
+        if self.sample == "none" and self.plan is None:
+            problems.append(Problem("ckpt.sample", "ckpt.sample=none measures nothing, and ckpt=auto plans by "
+                                    "measuring the step", "ckpt.sample=step (the default) or forward"))
         problems += self._read_fit()
         raise_problems(problems + compile_problems(self) + timing_problems(self.timing))
 
@@ -298,7 +314,7 @@ def _plan_problems(value: Any) -> list[Problem]:
 
 
 # ckpt=none's keys: every other mode's, with what it shows for them (it reads none of them).
-_NONE_KEYS = {"layers": None, "every_n": 1, "preserve_rng_state": True, "check_recompute": False, "segments": None,
+_NONE_KEYS = {"layers": None, "every_n": 1, "sample": "step", "preserve_rng_state": True, "check_recompute": False, "segments": None,
               "offload": False, "policy": None, "save_names": None, "exclude_names": None, "budget": None,
               "memory": None, "batch": None, "deepspeed": None, "compile": False, "timing": None, "plan": None}
 NoneConfig = make_dataclass(

@@ -84,8 +84,8 @@ from ckpt_plugin.config.schema import (
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.fsdp import is_fsdp, twin_of
-from ckpt_plugin.lightning.memory import StepWatch, check_settable, forward_at, memory_plan, set_batch_size
-from ckpt_plugin.lightning.sample import sample_call
+from ckpt_plugin.lightning.memory import StepWatch, check_settable, memory_plan, set_batch_size
+from ckpt_plugin.lightning.step import NONE, ON_BATCH, MeasuredStep, measured_step, uncontained_warning
 from ckpt_plugin.lightning.strategies import (
     error_as_data,
     error_from_data,
@@ -134,6 +134,7 @@ class ActivationCheckpointing(pl.Callback):
         mode: str = "full",
         layers: str | list[str] | None = None,
         every_n: int | None = None,
+        sample: str | None = None,
         preserve_rng_state: bool | None = None,
         check_recompute: bool | None = None,
         segments: int | str | None = None,
@@ -152,7 +153,7 @@ class ActivationCheckpointing(pl.Callback):
     ) -> None:
         super().__init__()
         keys = {
-            "layers": layers, "every_n": every_n, "preserve_rng_state": preserve_rng_state,
+            "layers": layers, "every_n": every_n, "sample": sample, "preserve_rng_state": preserve_rng_state,
             "check_recompute": check_recompute, "segments": segments, "offload": offload, "policy": policy,
             "save_names": save_names, "exclude_names": exclude_names, "budget": budget, "memory": memory,
             "batch": batch, "deepspeed": deepspeed, "compile": compile, "timing": timing, "plan": plan,
@@ -256,10 +257,8 @@ class ActivationCheckpointing(pl.Callback):
         if self.config.plan is not None:
             self._early = (plan_for(pl_module, self.config), before)
             return
-        forward = self._example_forward(trainer, pl_module, from_batch=True)
-        if forward is None:
-            raise _no_sample(pl_module)
-        plan, batch = self._agreed_plan(trainer, pl_module, forward, before_sharding=True)
+        step = self._measured(trainer, pl_module, planning=True)
+        plan, batch = self._agreed_plan(trainer, pl_module, step.forward, before_sharding=True)
         if batch is not None:
             set_batch_size(trainer, pl_module, batch)
             self.batch_size = batch
@@ -273,10 +272,8 @@ class ActivationCheckpointing(pl.Callback):
         prepare(trainer.strategy, pl_module, self.config)
         early, self._early = self._early, None  # planned in setup, before the strategy sharded the module
         planning = isinstance(self.config, AutoConfig) and self.config.plan is None and early is None
-        profiled = planning or early is not None or getattr(self.config, "segments", None) == "optimal"
-        forward = self._example_forward(trainer, pl_module, from_batch=profiled)
-        if forward is None and planning:
-            raise _no_sample(pl_module)
+        step = self._measured(trainer, pl_module, planning=planning)
+        forward = step.forward if step is not None else None
         if early is not None:  # the same modules, named as the strategy's wrapping named them
             plan = renamed(early[0], names_after_wrapping(early[1], pl_module))
         elif planning:
@@ -284,7 +281,8 @@ class ActivationCheckpointing(pl.Callback):
             if batch is not None:
                 set_batch_size(trainer, pl_module, batch)
                 self.batch_size = batch
-                forward = forward_at(trainer, pl_module, batch) or forward  # the report: the step as it will run
+                step = self._measured(trainer, pl_module, planning=True)  # the report: the step as it will run
+                forward = step.forward
         else:
             plan = plan_for(pl_module, self.config, forward)
         if plan.summary:
@@ -307,10 +305,26 @@ class ActivationCheckpointing(pl.Callback):
         if planning:
             self._keep(trainer, pl_module, plan)
         self._say_what_was_wrapped(pl_module, plan, forward, sharded, without, rows, options)
-        self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig)
+        self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig) and \
+            self.config.sample != NONE
         if forward is not None:  # without a sample, the first step is the first forward: checked after it
             self._check_names()
             check_fixed_mode(trainer, pl_module, self.config, self.wrapped, forward)
+            said = uncontained_warning(step)
+            if said is not None:
+                rank_zero_warn(said, category=UserWarning)
+
+    def _measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, planning: bool) -> MeasuredStep | None:
+        """What this fit's measurements run (``step.py``: ckpt.sample), said once; ``planning``: ckpt=auto, which
+        cannot plan without it (a ConfigError that says what it needs)."""
+        step = measured_step(trainer, pl_module, self.config.sample)
+        if step is None and planning:
+            raise _no_sample(pl_module)
+        if step is not None:
+            rank_zero_info(f"ckpt: measuring runs {step.source}" + (
+                " (ckpt.sample=forward measures the module's forward on example_input_array instead)"
+                if step.source == ON_BATCH and pl_module.example_input_array is not None else ""))
+        return step
 
     def _say_what_was_wrapped(self, pl_module: pl.LightningModule, plan: Any, forward: Callable[[], Any] | None,
                               sharded: str | None, without: StepMeasure | NotFakeable | None, rows: Any,
@@ -402,25 +416,6 @@ class ActivationCheckpointing(pl.Callback):
         rank_zero_info(f"ckpt=auto: the plan installed is in {self.plan_path}; ckpt.plan={self.plan_path} "
                        "installs it again without planning")
 
-    @staticmethod
-    def _example_forward(trainer: pl.Trainer, pl_module: pl.LightningModule,
-                         from_batch: bool = False) -> Callable[[], Any] | None:
-        """A forward on ``example_input_array``, else (``from_batch``: ckpt=auto) on the call training_step makes
-        with the first training batch (``sample.py``); or None."""
-        call = sample_call(trainer, pl_module, from_batch=from_batch)
-        if call is None:
-            return None
-        if pl_module.example_input_array is None:
-            rank_zero_info(f"{type(pl_module).__name__} has no example_input_array: ckpt=auto plans on the call "
-                           "its training_step makes with the first training batch.")
-        args, kwargs = call
-
-        def forward() -> Any:
-            with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step
-                return pl_module(*args, **kwargs)
-
-        return forward
-
     # -- per-step metrics, on the steps Lightning logs (trainer.log_every_n_steps) --------------
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -494,11 +489,10 @@ ActivationCheckpointing.__doc__ = f"{ActivationCheckpointing.__doc__.rstrip()}\n
 def _no_sample(pl_module: pl.LightningModule) -> ConfigError:
     return ConfigError([Problem(
         "ckpt.mode",
-        f"ckpt=auto profiles the layers on a sample input: set `example_input_array` on "
-        f"{type(pl_module).__name__} (Lightning's convention: a tensor, a tuple of arguments or a dict); "
-        "without it the first training batch serves, but there is no train dataloader or its "
-        "training_step runs the model otherwise than through self(...)",
-        "set example_input_array, or choose another ckpt preset",
+        f"ckpt=auto measures the step the trainer runs: {type(pl_module).__name__}.training_step on the first "
+        "training batch, and there is no train dataloader (nor `example_input_array`, Lightning's convention for "
+        "a sample input: a tensor, a tuple of arguments or a dict)",
+        "give fit a train dataloader (or the module a train_dataloader()), or set example_input_array",
     )])
 
 

@@ -22,8 +22,7 @@ first batch is drawn. The bound of the search is the train dataset's length, as
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +46,8 @@ from ckpt_plugin.lightning.sample import (
     sample_call,
     train_dataloader,
 )
+from ckpt_plugin.lightning.step import STEP, logging_silenced, step_loss
+from ckpt_plugin.measure.contained import contained
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 from ckpt_plugin.units import format_bytes
 
@@ -82,28 +83,10 @@ def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule, with_bat
         batch = first_batch(trainer, pl_module)
 
     def step(batch: Any) -> Any:
-        with _logging_silenced(pl_module), trainer.precision_plugin.train_step_context():
-            out = pl_module.training_step(batch, 0)
-        return out["loss"] if isinstance(out, Mapping) else out
+        with contained(pl_module):  # a counter, a history, a random draw: put back (measure/contained.py)
+            return step_loss(trainer, pl_module, batch)
 
     return Sample(call, run, batch, step if batch is not None else None)
-
-
-def forward_at(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: int) -> Callable[[], Any] | None:
-    """The sample call, ``batch`` rows long (for the report's steps on fake tensors); None without a sample."""
-    sample = training_sample(trainer, pl_module, with_batch=False)
-    return None if sample is None else sample.forward(batch)
-
-
-@contextlib.contextmanager
-def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` do nothing for a moment: a measured step on fake tensors logs nothing
-    (outside the loop Lightning would refuse, inside it would keep a fake value)."""
-    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None  # instance attributes shadow the methods
-    try:
-        yield
-    finally:
-        del pl_module.log, pl_module.log_dict
 
 
 def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AutoConfig,
@@ -111,7 +94,7 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     """``ckpt=auto`` with ``ckpt.memory``: the plan (and, for ``ckpt.batch=max``, the batch) for the whole step
     of this module, the Trainer's optimizers stepping; under FSDP the whole step of ``twin`` (``fsdp.py``), its
     optimizers stepping."""
-    sample = training_sample(trainer, pl_module)
+    sample = training_sample(trainer, pl_module, with_batch=config.sample == STEP)  # ckpt.sample=forward: the call
     optimizers = list(trainer.optimizers) if twin is None else twin.optimizers
     held = tuple(h for h in (strategy_held(trainer, pl_module),) if h is not None)
     steps = _twin_steps(trainer, twin, sample, held) if twin is not None and sample is not None else None
@@ -145,7 +128,8 @@ def _twin_steps(trainer: pl.Trainer, twin: Twin, sample: Sample, held: tuple[Hel
             return twin.wrapped(*args, **kwargs)
 
     def step(batch: Any) -> Any:
-        with _logging_silenced(twin.module), trainer.precision_plugin.train_step_context():
+        # The twin shares the module's attributes: what training_step does to them is put back (contained.py).
+        with contained(twin.module), logging_silenced(twin.module), trainer.precision_plugin.train_step_context():
             out = trainer.strategy._forward_redirection(twin.wrapped, twin.module, "training_step", batch, 0)
         return out["loss"] if isinstance(out, Mapping) else out
 
@@ -252,5 +236,5 @@ class StepWatch:
             self._tracker = None
 
 
-__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "forward_at", "memory_plan", "set_batch_size", "strategy_held",
+__all__ = ["ATTRIBUTE", "StepWatch", "check_settable", "memory_plan", "set_batch_size", "strategy_held",
            "training_sample"]

@@ -13,9 +13,8 @@ passes there is the sample, so the report and the plan are made for the very
 call that trains. Nothing of the model runs for it (see :func:`training_call`):
 a ``training_step`` that runs a submodule or the parameters first gives no
 sample (None), and the caller says what it needs. What ``training_step`` does
-before it calls ``self(...)`` does run once more, though (it is the user's
-code: a counter it bumps there counts one more call), which is why the report
-alone, which can do without a sample, never takes this route.
+before it calls ``self(...)`` runs once more, and is put back
+(``measure/contained.py``: a counter it bumps there counts no extra call).
 
 Drawing the batch leaves no trace: the torch, Python and NumPy random states
 are put back (a sampler draws its seed from them), so the run trains on the
@@ -41,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ckpt_plugin._compat import tree_leaves
+from ckpt_plugin.measure.contained import contained
 from ckpt_plugin.measure.sample import call_args
 
 
@@ -149,8 +149,8 @@ def training_call(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
 
     handles = [pl_module.register_forward_pre_hook(called, prepend=True, with_kwargs=True)]
     handles += [m.register_forward_pre_hook(stopped, prepend=True) for m in pl_module.modules() if m is not pl_module]
-    try:
-        with torch.no_grad(), _NoModel(pl_module), trainer.precision_plugin.train_step_context():
+    try:  # what training_step does before its call (a counter, a random draw) is put back (contained.py)
+        with contained(pl_module), torch.no_grad(), _NoModel(pl_module), trainer.precision_plugin.train_step_context():
             pl_module.training_step(batch, 0)
     except _Called as stop:
         return stop.call
