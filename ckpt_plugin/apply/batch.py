@@ -91,16 +91,21 @@ def _held(data: Any) -> Callable[[], Any]:
 @dataclass(frozen=True)
 class Sample:
     """What the batch search resizes: the module's call and, where the caller has them, the training batch and
-    the step that takes it to a loss (the callback: ``training_step``, logging silenced)."""
+    the step that takes it to a loss (the callback: ``training_step``, logging silenced, effects contained).
+    ``call`` is None where ``training_step`` runs the model otherwise than through ``self(...)`` (a child, a loss
+    module): the step alone is then what is measured and resized."""
 
-    call: tuple[tuple, dict]
+    call: tuple[tuple, dict] | None
     run: Callable[..., Any]  # run(*args, **kwargs): the module's call (under the precision's context)
     batch: Any = None
     step: Callable[[Any], Any] | None = None  # batch -> the loss
 
+    def __post_init__(self) -> None:
+        assert self.call is not None or (self.step is not None and self.batch is not None), "a call or a step"
+
     @property
     def size(self) -> int | None:
-        return batch_size_of(self.call)
+        return batch_size_of(self.call) if self.call is not None else batch_size_of(self.batch)
 
     def held(self, to: int | None = None) -> Held:
         """The batch on the device, ``to`` rows long (None: as it is): the training batch, or the call's tensors."""
@@ -111,7 +116,9 @@ class Sample:
                             for t in tree_leaves(data) if isinstance(t, torch.Tensor))), "the batch")
 
     def forward(self, to: int | None = None) -> Callable[[], Any]:
-        """The module's call, its batch ``to`` rows long (None: as it is)."""
+        """The module's call, its batch ``to`` rows long (None: as it is); the step where there is no call."""
+        if self.call is None:
+            return self.loss(to)
         if to is None or to == self.size:
             args, kwargs = self.call
             return lambda: self.run(*args, **kwargs)
@@ -218,7 +225,7 @@ def largest_batch(model: nn.Module, names: list[str], sample: Sample, limit: int
 
     def least(batch: int) -> StepSplit:
         if batch not in tried:
-            measuring = Measuring(model, names, sample.forward(batch), {}, preserve_rng_state, timed=False,
+            measuring = Measuring(model, names, sample.loss(batch), {}, preserve_rng_state, timed=False,
                                   chains=chains)
             chosen = least_of(strategies(measuring, eager=True))
             tried[batch] = steps.of(chosen.strategy.installed(chosen.plan), batch)

@@ -67,26 +67,27 @@ def check_settable(pl_module: pl.LightningModule) -> None:
 
 
 def training_sample(trainer: pl.Trainer, pl_module: pl.LightningModule, with_batch: bool = True) -> Sample | None:
-    """The sample call (``sample.py``) and, under automatic optimization (and ``with_batch``), the first training
-    batch with the module's ``training_step`` to its loss; None without a sample call."""
-    call = sample_call(trainer, pl_module, from_batch=True)
-    if call is None:
-        return None
-
+    """Under automatic optimization (and ``with_batch``), the first training batch with the module's
+    ``training_step`` to its loss, and the call it makes with ``self(...)`` where it makes one (``sample.py``);
+    else the sample call alone; None with neither."""
     def run(*args: Any, **kwargs: Any) -> Any:
         with trainer.precision_plugin.forward_context():  # autocast for bf16-mixed, as in training_step
             return pl_module(*args, **kwargs)
 
     if not pl_module.automatic_optimization or not with_batch:  # manual: its training_step steps the optimizers
-        return Sample(call, run)
+        call = sample_call(trainer, pl_module)
+        return Sample(call, run) if call is not None else None
     with random_state_kept():
         batch = first_batch(trainer, pl_module)
+    call = sample_call(trainer, pl_module, from_batch=True)  # None: training_step calls a child, not self(...)
+    if batch is None:
+        return Sample(call, run) if call is not None else None
 
     def step(batch: Any) -> Any:
         with contained(pl_module):  # a counter, a history, a random draw: put back (measure/contained.py)
             return step_loss(trainer, pl_module, batch)
 
-    return Sample(call, run, batch, step if batch is not None else None)
+    return Sample(call, run, batch, step)
 
 
 def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: AutoConfig,
