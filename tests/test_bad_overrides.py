@@ -160,7 +160,11 @@ CASES = [
     # keys, mode and target
     case("+ckpt.layer=TransformerBlock", "ckpt.layer", "ckpt.layer",
          "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; valid keys: layers, every_n, "
-         "preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile"),
+         "sample, preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile"),
+    case("ckpt=full  ckpt.sample=first", "ckpt.sample", "'first'",
+         "ckpt.sample='first' is not one of step, forward, none"),
+    case("ckpt=auto  ckpt.budget=0.5  ckpt.sample=none", "ckpt.sample", "ckpt.sample=none",
+         "ckpt.sample=none measures nothing, and ckpt=auto plans by measuring the step"),
     case("ckpt.budget=0.5", "ckpt.budget", "0.5",
          "ckpt.budget=0.5 is only read with ckpt.segments=optimal, not ckpt.segments=null; set ckpt.segments=optimal "
          "(the least recomputation that fits the budget), or drop ckpt.budget (ckpt=auto takes a budget too: it "
@@ -243,7 +247,7 @@ CASES = [
     case("ckpt=auto  ckpt.budget=0.5  ckpt.preserve_rng_state=2", "ckpt.preserve_rng_state", "2",
          "ckpt.preserve_rng_state=2 (int) must be true or false"),
     case("ckpt=auto  ckpt.budget=0.5  +ckpt.segments=2", "ckpt.segments", "ckpt.segments",
-         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, preserve_rng_state, offload, "
+         "unknown key ckpt.segments for ckpt mode 'auto'; valid keys: layers, every_n, sample, preserve_rng_state, offload, "
          "budget, memory, batch, compile, timing, plan"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.offload=maybe", "ckpt.offload", "'maybe'",
          "ckpt.offload='maybe' (str) must be true or false"),
@@ -259,7 +263,7 @@ CASES = [
     case("ckpt=offload  ckpt.every_n=0", "ckpt.every_n", "0",
          "ckpt.every_n=0 must be >= 1: 1 wraps every matched layer, 2 every second one, ..."),
     case("ckpt=offload  +ckpt.preserve_rng_state=false", "ckpt.preserve_rng_state", "ckpt.preserve_rng_state",
-         "unknown key ckpt.preserve_rng_state for ckpt mode 'offload'; valid keys: layers, every_n, compile"),
+         "unknown key ckpt.preserve_rng_state for ckpt mode 'offload'; valid keys: layers, every_n, sample, compile"),
     # ckpt=deepspeed
     case("ckpt=deepspeed", "ckpt.deepspeed", "'auto'",
          "ckpt.deepspeed is set (ckpt=deepspeed: DeepSpeed's own checkpoint) but trainer.strategy is 'auto', not a "

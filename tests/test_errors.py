@@ -233,7 +233,7 @@ def test_unknown_key_suggests_the_right_one():
     raises_for(
         re.escape(
             "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; "
-            "valid keys: layers, every_n, preserve_rng_state"
+            "valid keys: layers, every_n, sample, preserve_rng_state"
         ),
         layer="TransformerBlock",
     )
@@ -243,9 +243,9 @@ def test_two_unknown_keys_reported_together_with_a_bad_value():
     info = raises_for(r"^4 problems in the ckpt config:\n", layer="TransformerBlock", evry_n=2, preserve_rng_state="no")
     assert str(info.value).splitlines()[1:] == [
         "  - unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; "
-        "valid keys: layers, every_n, preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile",
+        "valid keys: layers, every_n, sample, preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile",
         "  - unknown key ckpt.evry_n (did you mean ckpt.every_n?) for ckpt mode 'full'; "
-        "valid keys: layers, every_n, preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile",
+        "valid keys: layers, every_n, sample, preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile",
         "  - ckpt.layers is required: name the modules to checkpoint, e.g. ckpt.layers=TransformerBlock or "
         "ckpt.layers=[Block,'blocks.*'], or let ckpt.layers=auto choose them "
         "(or choose ckpt=none to switch checkpointing off)",

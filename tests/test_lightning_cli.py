@@ -122,12 +122,12 @@ def test_unset_keys_take_the_mode_defaults() -> None:
 
 def test_a_key_the_mode_lacks_is_refused_when_given() -> None:
     with pytest.raises(ConfigError, match=re.escape(
-        "unknown key ckpt.policy for ckpt mode 'full'; valid keys: layers, every_n, preserve_rng_state, "
+        "unknown key ckpt.policy for ckpt mode 'full'; valid keys: layers, every_n, sample, preserve_rng_state, "
         "check_recompute, segments, offload, budget, deepspeed, compile"
     )):
         ActivationCheckpointing(mode="full", layers="Block", policy="matmuls")
     with pytest.raises(ConfigError, match=re.escape(
-        "unknown key ckpt.preserve_rng_state for ckpt mode 'offload'; valid keys: layers, every_n, compile"
+        "unknown key ckpt.preserve_rng_state for ckpt mode 'offload'; valid keys: layers, every_n, sample, compile"
     )):
         ActivationCheckpointing(mode="offload", layers="Block", preserve_rng_state=True)
 

@@ -125,33 +125,60 @@ def test_auto_plans_on_the_call_training_step_makes_with_the_first_batch(tmp_pat
     assert callback.report.without.total == reference.report.without.total > callback.report.with_ckpt.total
 
 
+def test_auto_plans_a_training_step_that_calls_a_submodule(tmp_path, monkeypatch, caplog) -> None:
+    """No self(...), no example_input_array: ckpt=auto plans the step training_step is (issue #42; it was refused)."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model, callback = CallsASubmodule(), ActivationCheckpointing(mode="auto", layers="Block", budget=0.5)
+    with caplog.at_level(logging.INFO):
+        fit(model, callback, steps=1)
+    assert callback.planned is not None and callback.planned.predicted_peak <= callback.planned.budget_bytes
+    assert "ckpt: measuring runs training_step on the first training batch" in caplog.text
+
+
+class Manual(CallsASubmodule):
+    """Manual optimization: its training_step steps the optimizer itself, so measuring cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()
+
+
 def test_auto_without_any_sample_says_what_it_needs(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
-    model = CallsASubmodule()
+    model = Manual()
     stream = io.StringIO()
     with pytest.raises(SystemExit) as done, config_errors_exit(stream=stream):
         fit(model, ActivationCheckpointing(mode="auto", layers="Block", budget=0.5), steps=1)
     assert done.value.code == 2
     assert stream.getvalue() == (
-        "Error: ckpt=auto profiles the layers on a sample input: set `example_input_array` on CallsASubmodule "
-        "(Lightning's convention: a tensor, a tuple of arguments or a dict); without it the first training batch "
-        "serves, but there is no train dataloader or its training_step runs the model otherwise than through "
-        "self(...); set example_input_array, or choose another ckpt preset\n(HYDRA_FULL_ERROR=1 shows the "
-        "traceback.)\n"
+        "Error: ckpt=auto measures the step the trainer runs, and Manual optimizes manually (its training_step "
+        "steps the optimizers itself, so measuring cannot run it) and has no `example_input_array` (Lightning's "
+        "convention for a sample input: a tensor, a tuple of arguments or a dict) to measure its forward on; set "
+        "example_input_array\n(HYDRA_FULL_ERROR=1 shows the traceback.)\n"
     )
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
-def test_the_report_alone_never_runs_training_step(tmp_path, monkeypatch, caplog) -> None:
-    """Only ckpt=auto, which cannot do without a sample, runs the part of training_step before self(...)."""
+def test_the_report_runs_the_step_and_leaves_no_trace(tmp_path, monkeypatch, caplog) -> None:
+    """A fixed mode reports on the step the trainer runs (training_step on the first batch, issue #42); what the
+    step does to the module (its list of losses) is put back: one entry after one step."""
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     model, callback = Net(), ActivationCheckpointing(layers="Block")
     with caplog.at_level(logging.INFO):
         fit(model, callback, steps=1)
-    assert callback.report is None and len(callback.wrapped) == 4 and len(model.losses) == 1
-    assert "(Set `example_input_array` on Net to see the activation memory this saves.)" in caplog.text
+    assert callback.report is not None and len(callback.wrapped) == 4 and len(model.losses) == 1
+    assert "ckpt: measuring runs training_step on the first training batch" in caplog.text
+    assert callback.report.with_ckpt.total < callback.report.without.total
 
 
 # --------------------------------------------------------------------------------------
@@ -241,8 +268,7 @@ def test_the_readme_app_plans_auto_on_its_first_batch(runs) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert FIT_DONE in out
-    assert ("YourModule has no example_input_array: ckpt=auto plans on the call its training_step makes with the "
-            "first training batch.") in out
+    assert "ckpt: measuring runs training_step on the first training batch" in out
     assert "ckpt=auto plan:" in out and re.search(r"predicted activation peak .* <= budget", out), out[-4000:]
     # the ckpt.layers default of the app's config chose the candidates
     assert re.findall(r"^(blocks\.\d) +(?:keep|full|selective|inside) ", out, re.M) == [f"blocks.{i}" for i in range(4)]

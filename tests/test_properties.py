@@ -753,7 +753,8 @@ def model_defects(draw: st.DrawFn, spec: ModelSpec, model: nn.Module, keys: dict
         return keys | {"budget": "8B"}, ["ckpt.budget: 8 bytes", "cannot be met"], kind
     if kind == "no example input":
         del model.example_input_array
-        return keys, ["ckpt=auto profiles the layers on a sample input: set `example_input_array`"], kind
+        return keys, ["ckpt=auto measures the step it plans for: give apply_checkpointing(..., step=", "or set "
+                      "`example_input_array`"], kind
     # segments over layers that are statically no chain
     keys.pop("deepspeed", None)
     keys["every_n"] = 1

@@ -22,6 +22,7 @@ from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig, NoneConfig, make_config
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.wrap import install, policy_of
+from ckpt_plugin.measure.contained import contained
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.overkeep import over_kept, overkeep_warning
 from ckpt_plugin.measure.sample import example_forward
@@ -94,18 +95,35 @@ def warn_overkeep(model: nn.Module, config: CkptConfig, names: list[str], forwar
         warnings.warn(overkeep_warning(rows, f"ckpt={config.mode}"), UserWarning, stacklevel=3)
 
 
-def apply_checkpointing(model: nn.Module, **ckpt_keys: Any) -> list[str]:
+def apply_checkpointing(model: nn.Module, *, step: Callable[[], Any] | None = None, **ckpt_keys: Any) -> list[str]:
     """Checkpoint the layers of ``model`` named by the keys of the ``ckpt`` node.
 
     >>> apply_checkpointing(gpt, layers="TransformerBlock")
     ['blocks.0', 'blocks.1', ...]
+    >>> apply_checkpointing(net, mode="auto", layers="Block", budget=0.5, step=lambda: loss_fn(net(x), y))
 
     Returns the qualified names wrapped, in model order. Applying again replaces
     the previous wrapping (never wraps twice); ``mode="none"`` unwraps.
+    ``step``: the training step to plan for and report on, a callable returning the loss (its loss and
+    whatever it computes beside the model included; run on fake tensors, what it does to the model's
+    attributes and the random streams put back: ``measure/contained.py``); by default the model's forward on
+    its ``example_input_array``, its output summed.
     ``mode="auto", plan="ckpt_plan.json"`` installs a saved plan (``planning/plan_file.py``)
     without planning; ``planning.plan_file.save_plan(plan_for(...), path, model)`` writes one.
     """
-    return apply_config(model, make_config(**ckpt_keys))
+    if step is not None and not callable(step):
+        raise TypeError(f"apply_checkpointing(step=...) takes a callable that runs the training step and returns "
+                        f"its loss, not {type(step).__name__}")
+    return apply_config(model, make_config(**ckpt_keys), None if step is None else contained_step(model, step))
 
 
-__all__ = ["Installation", "apply_checkpointing", "apply_config", "install_plan", "warn_overkeep"]
+def contained_step(model: nn.Module, step: Callable[[], Any]) -> Callable[[], Any]:
+    """``step`` as measurements run it: what it does to ``model``'s attributes and the random streams put back."""
+    def run() -> Any:
+        with contained(model):
+            return step()
+
+    return run
+
+
+__all__ = ["Installation", "apply_checkpointing", "apply_config", "contained_step", "install_plan", "warn_overkeep"]

@@ -121,10 +121,11 @@ def sample_forward(model: nn.Module, key: str = "ckpt.mode", who: str = "ckpt=au
     if getattr(model, "example_input_array", None) is None:
         raise_problems([Problem(
             key,
-            f"{who} profiles the layers on a sample input: set `example_input_array` on {type(model).__name__} "
+            f"{who} measures the step it plans for: give apply_checkpointing(..., step=<a callable that runs the "
+            f"training step and returns its loss>), or set `example_input_array` on {type(model).__name__} "
             "(Lightning's convention: a tensor, a tuple of arguments or a dict)",
-            "or choose another ckpt preset (under Lightning's callback, the call training_step makes with the first "
-            "training batch serves too)",
+            "or choose another ckpt preset (under Lightning's callback, training_step on the first training batch "
+            "serves)",
         )])
     return example_forward(model)
 

@@ -487,13 +487,16 @@ ActivationCheckpointing.__doc__ = f"{ActivationCheckpointing.__doc__.rstrip()}\n
 
 
 def _no_sample(pl_module: pl.LightningModule) -> ConfigError:
+    name, sample = type(pl_module).__name__, ("`example_input_array` (Lightning's convention for a sample input: a "
+                                              "tensor, a tuple of arguments or a dict)")
+    if not pl_module.automatic_optimization:
+        return ConfigError([Problem("ckpt.mode", f"ckpt=auto measures the step the trainer runs, and {name} optimizes "
+                                    "manually (its training_step steps the optimizers itself, so measuring cannot run "
+                                    f"it) and has no {sample} to measure its forward on", "set example_input_array")])
     return ConfigError([Problem(
-        "ckpt.mode",
-        f"ckpt=auto measures the step the trainer runs: {type(pl_module).__name__}.training_step on the first "
-        "training batch, and there is no train dataloader (nor `example_input_array`, Lightning's convention for "
-        "a sample input: a tensor, a tuple of arguments or a dict)",
-        "give fit a train dataloader (or the module a train_dataloader()), or set example_input_array",
-    )])
+        "ckpt.mode", f"ckpt=auto measures the step the trainer runs, {name}.training_step on the first training "
+        f"batch, and there is no train dataloader, nor {sample}",
+        "give fit a train dataloader (or the module a train_dataloader()), or set example_input_array")])
 
 
 def _check_on(model: nn.Module, config: CkptConfig) -> None:
