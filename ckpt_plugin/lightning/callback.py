@@ -31,8 +31,9 @@ ckpt_plan.json>`` gives the resumed run the old plan.
 One plan on every rank (``ckpt=auto``): under several processes rank 0 plans
 and ``trainer.strategy.broadcast`` hands its plan, as plain data, to every rank,
 which installs it. Under DDP without SyncBatchNorm the other ranks wait at the
-broadcast: the profile runs the LightningModule's own forward, which issues no
-collective. With SyncBatchNorm (its forward all-gathers statistics) every rank
+broadcast: the profile runs the LightningModule's own ``training_step``, which issues
+no collective (``step.py``; a step that communicates is measured on its forward with
+``ckpt.sample=forward``). With SyncBatchNorm (its forward all-gathers statistics) every rank
 profiles in lockstep and installs rank 0's plan. Rank 0 writes the plan it
 installed to ``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
 
@@ -43,7 +44,7 @@ every whole step on a fake twin the strategy shards (``fsdp.py``), and every
 rank installs the plan at fit start under the names FSDP gave the same modules.
 Under FSDP2 (``ModelParallelStrategy``) and DeepSpeed, ``ckpt=auto`` does
 not plan: it is a ConfigError in ``setup`` (``strategies.planning_refused``), before
-the strategy builds anything. The profile runs the LightningModule's forward
+the strategy builds anything. The profile runs the LightningModule's step
 and backward outside the strategy, on fake tensors: run with 2 gloo processes
 on CPU, FSDP2 kept fake all-gathered parameters and trained the next step on
 them, and DeepSpeed's gradient hooks took fake gradients ("Cannot copy out of
@@ -56,7 +57,7 @@ the same reason (``strategies.sharded_parameters``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, fields, replace
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ from torch import nn
 from ckpt_plugin import __version__
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.install import Installation, install_plan
-from ckpt_plugin.apply.plan import candidates, plan_for
+from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.apply.twin import names_after_wrapping, renamed
 from ckpt_plugin.config.keys import args_section
 from ckpt_plugin.config.schema import (
@@ -83,32 +84,26 @@ from ckpt_plugin.config.schema import (
 )
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.lightning.fsdp import is_fsdp, twin_of
-from ckpt_plugin.lightning.memory import StepWatch, check_settable, memory_plan, set_batch_size
-from ckpt_plugin.lightning.step import NONE, ON_BATCH, MeasuredStep, measured_step, uncontained_warning
-from ckpt_plugin.lightning.strategies import (
-    error_as_data,
-    error_from_data,
-    planning_refused,
-    prepare,
-    rank_zero_plans_alone,
-    sharded_parameters,
+from ckpt_plugin.lightning.agreed import agreed_plan
+from ckpt_plugin.lightning.fsdp import is_fsdp
+from ckpt_plugin.lightning.keys_changed import config_changes
+from ckpt_plugin.lightning.memory import StepWatch, check_settable, set_batch_size
+from ckpt_plugin.lightning.step import (
+    NONE,
+    ON_BATCH,
+    MeasuredStep,
+    measured_step,
+    no_step_error,
+    uncontained_warning,
 )
-from ckpt_plugin.lightning.wrapped import check_fixed_mode, report_rows
+from ckpt_plugin.lightning.strategies import planning_refused, prepare, sharded_parameters
+from ckpt_plugin.lightning.wrapped import check_fixed_mode, report_rows, say_what_was_wrapped
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
-from ckpt_plugin.measure.report import (
-    StepMeasure,
-    WrapReport,
-    how_wrapped,
-    measure_step,
-    wrap_report,
-    wrapped_line,
-)
+from ckpt_plugin.measure.report import StepMeasure, WrapReport, measure_step
 from ckpt_plugin.planning.plan_file import (
     FILE_NAME,
     plain,
-    plan_from_dict,
     plan_to_dict,
     save_plan,
 )
@@ -199,7 +194,7 @@ class ActivationCheckpointing(pl.Callback):
         mode = MODES.get(saved.get("mode"))
         defaults = {f.name: f.default for f in fields(mode) if f.default is not MISSING} if mode else {}
         saved = {**defaults, **saved}
-        changes = _changes(saved, plain(as_keys(self.config)))
+        changes = config_changes(saved, plain(as_keys(self.config)))
         if changes:
             rank_zero_warn(
                 f"{type(self).__name__}: this run's ckpt config differs from the checkpoint's: {', '.join(changes)}. "
@@ -304,7 +299,8 @@ class ActivationCheckpointing(pl.Callback):
         self.wrapped = self._installed.names
         if planning:
             self._keep(trainer, pl_module, plan)
-        self._say_what_was_wrapped(pl_module, plan, forward, sharded, without, rows, options)
+        self.report = say_what_was_wrapped(pl_module, self.config, self.wrapped, plan, forward, sharded, without,
+                                           rows, options)
         self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig) and \
             self.config.sample != NONE
         if forward is not None:  # without a sample, the first step is the first forward: checked after it
@@ -319,88 +315,21 @@ class ActivationCheckpointing(pl.Callback):
         cannot plan without it (a ConfigError that says what it needs)."""
         step = measured_step(trainer, pl_module, self.config.sample)
         if step is None and planning:
-            raise _no_sample(pl_module)
+            raise no_step_error(pl_module)
         if step is not None:
             rank_zero_info(f"ckpt: measuring runs {step.source}" + (
                 " (ckpt.sample=forward measures the module's forward on example_input_array instead)"
                 if step.source == ON_BATCH and pl_module.example_input_array is not None else ""))
         return step
 
-    def _say_what_was_wrapped(self, pl_module: pl.LightningModule, plan: Any, forward: Callable[[], Any] | None,
-                              sharded: str | None, without: StepMeasure | NotFakeable | None, rows: Any,
-                              options: Any) -> None:
-        """The wrapped line, and the report of what the step keeps with and without (``measure/report.py``)
-        where it can be measured on fake tensors."""
-        how = how_wrapped(self.config.mode, options)
-        wrapped = f"{wrapped_line(len(self.wrapped), type(pl_module).__name__, how)}: {', '.join(self.wrapped)}."
-        if forward is None:
-            rank_zero_info(f"{wrapped} (Set `example_input_array` on {type(pl_module).__name__} to see the "
-                           "activation memory this saves.)")
-        elif sharded is not None:
-            rank_zero_info(f"{wrapped} Their kept bytes are not reported under {sharded}: the report's step on fake "
-                           "tensors would run into the parameters it shards.")
-        elif isinstance(without, NotFakeable):  # counted on fake tensors or not at all: never on real ones
-            rank_zero_info(f"{wrapped} Their kept bytes are not reported: {without}")
-        else:
-            planned = (plan.planned.predicted_peak, plan.planned.budget_bytes) if options else None
-            try:
-                self.report = wrap_report(pl_module, self.wrapped, forward, how=how, rows=rows, options=options,
-                                          without=without, planned=planned, peaks=bool(options))
-                if plan.fit is not None:  # ckpt.memory planned the activations for the budget its whole step allows
-                    self.report.budget_is = "the activation budget ckpt.memory allows"
-            except NotFakeable as err:
-                rank_zero_info(f"{wrapped} Their kept bytes are not reported: {err}")
-            else:
-                rank_zero_info(str(self.report))
-
     # -- ckpt=auto: one plan on every rank, kept --------------------------------------------------
 
     def _agreed_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, forward: Callable[[], Any] | None,
                      before_sharding: bool = False) -> tuple[Any, int | None]:
-        """The plan every rank installs: the checkpoint's on a resume with the same keys, else rank 0's; and the
-        batch size ``ckpt.batch=max`` found (rank 0's), or None. ``before_sharding``: FSDP's module, whole, in
-        ``setup``: rank 0 plans alone (no forward of it issues a collective yet), the whole step on its twin."""
-        if self._resumed is not None:
-            plan = plan_from_dict(self._resumed, pl_module, "the checkpoint's plan (trainer.fit(ckpt_path=...))")
-            self._resumed = None
-            lines = ["ckpt=auto: resuming with the checkpoint's plan, installed as it is, without planning "
-                     f"({len(plan.names)} module(s))", str(plan.planned) if plan.planned is not None else ""]
-            return replace(plan, summary="\n".join(filter(None, [plan.note, *lines]))), None
-        world, rank = trainer.world_size, trainer.global_rank
-        alone = world == 1 or before_sharding or rank_zero_plans_alone(trainer.strategy, pl_module)
-        plan = error = batch = None
-        if rank == 0 or not alone:
-            who = "rank 0 measures" if world > 1 and alone else (
-                "every rank measures (in lockstep; rank 0's plan is installed)" if world > 1 else "measuring")
-            rank_zero_info(f"ckpt=auto: {who} the candidate layers (memory on fake tensors, step time one layer "
-                           "at a time) to plan for " + ("ckpt.memory..." if self.config.read_memory is not None
-                                                        else "ckpt.budget..."))
-            try:
-                twin = twin_of(trainer, pl_module) if before_sharding else None  # as FSDP will shard the module
-                if self.config.read_memory is not None:
-                    plan, batch = memory_plan(trainer, pl_module, self.config, forward, twin)
-                else:  # a layer FSDP wraps in a unit of its own runs there: no region over several
-                    chains = twin is None or twin.unmoved(candidates(pl_module, self.config))
-                    plan = plan_for(pl_module, self.config, forward, chains=chains)
-            except Exception as err:
-                if world == 1:
-                    raise
-                error = err  # said to the other ranks, which would otherwise wait at the broadcast forever
-        if world == 1:
-            return plan, batch
-        sent = None
-        if rank == 0:
-            sent = {"error": error_as_data(error)} if error is not None else {
-                "plan": plan_to_dict(plan, pl_module), "summary": plan.summary, "batch": batch,
-                "fit": plan.fit}  # ckpt.memory's prediction (frozen dataclasses of ints): each rank checks its step
-        sent = trainer.strategy.broadcast(sent, src=0)
-        if rank == 0 and error is not None:
-            raise error
-        if "error" in sent:
-            raise error_from_data(sent["error"])
-        agreed = plan_from_dict(sent["plan"], pl_module, "rank 0's plan")
-        # Every rank measures its own step at the second batch against rank 0's prediction.
-        return replace(agreed, summary=sent["summary"], fit=sent["fit"]), sent["batch"]
+        """The plan every rank installs and the batch ckpt.batch=max found (``agreed.py``): the checkpoint's plan
+        on a resume with the same keys, else rank 0's."""
+        resumed, self._resumed = self._resumed, None
+        return agreed_plan(trainer, pl_module, self.config, forward, resumed, before_sharding)
 
     def _keep(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: Any) -> None:
         """Keep the plan installed: in the state_dict, and on rank 0 as ``ckpt_plan.json`` in the log dir."""
@@ -486,19 +415,6 @@ class ActivationCheckpointing(pl.Callback):
 ActivationCheckpointing.__doc__ = f"{ActivationCheckpointing.__doc__.rstrip()}\n\n{args_section()}\n"
 
 
-def _no_sample(pl_module: pl.LightningModule) -> ConfigError:
-    name, sample = type(pl_module).__name__, ("`example_input_array` (Lightning's convention for a sample input: a "
-                                              "tensor, a tuple of arguments or a dict)")
-    if not pl_module.automatic_optimization:
-        return ConfigError([Problem("ckpt.mode", f"ckpt=auto measures the step the trainer runs, and {name} optimizes "
-                                    "manually (its training_step steps the optimizers itself, so measuring cannot run "
-                                    f"it) and has no {sample} to measure its forward on", "set example_input_array")])
-    return ConfigError([Problem(
-        "ckpt.mode", f"ckpt=auto measures the step the trainer runs, {name}.training_step on the first training "
-        f"batch, and there is no train dataloader, nor {sample}",
-        "give fit a train dataloader (or the module a train_dataloader()), or set example_input_array")])
-
-
 def _check_on(model: nn.Module, config: CkptConfig) -> None:
     """What ``config`` asks of ``model`` that needs no forward: the layer selection and a segment chain."""
     if isinstance(config, AutoConfig) and config.plan is not None:  # the file's plan, checked against the model
@@ -507,22 +423,3 @@ def _check_on(model: nn.Module, config: CkptConfig) -> None:
     if isinstance(config, AutoConfig):  # its plan needs a profile, a forward: here only the layers it would profile
         config = FullConfig(layers=config.layers, every_n=config.every_n)
     check_plan(user_module(model), plan_for(model, config))  # what install() checks before touching the model
-
-
-def _changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``key old -> new`` for each key whose value differs; a key one side lacks (another mode's) is (unset)."""
-    unset = object()
-    changes = []
-    for key in dict.fromkeys([*current, *saved]):
-        old, new = saved.get(key, unset), current.get(key, unset)
-        if old != new and not (None in (old, new) and unset in (old, new)):  # a null that one mode lacks: no change
-            changes.append(f"{key} {_shown(old, unset)} -> {_shown(new, unset)}")
-    return changes
-
-
-def _shown(value: Any, unset: object) -> str:
-    if value is unset:
-        return "(unset)"
-    if isinstance(value, list) and len(value) == 1:
-        return repr(value[0])  # layers=Block is stored as ['Block']
-    return repr(value)

@@ -35,6 +35,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.sample import first_batch, random_state_kept, sample_call
 from ckpt_plugin.measure.contained import contained
 
@@ -125,5 +126,20 @@ def uncontained_warning(step: MeasuredStep) -> str | None:
             "ckpt.sample=none measures nothing (fixed modes)")
 
 
+def no_step_error(pl_module: pl.LightningModule) -> ConfigError:
+    """ckpt=auto's refusal where there is no step to measure: no training batch (nor a sample), or a module that
+    optimizes manually without a sample."""
+    name, sample = type(pl_module).__name__, ("`example_input_array` (Lightning's convention for a sample input: a "
+                                              "tensor, a tuple of arguments or a dict)")
+    if not pl_module.automatic_optimization:
+        return ConfigError([Problem("ckpt.mode", f"ckpt=auto measures the step the trainer runs, and {name} optimizes "
+                                    "manually (its training_step steps the optimizers itself, so measuring cannot run "
+                                    f"it) and has no {sample} to measure its forward on", "set example_input_array")])
+    return ConfigError([Problem(
+        "ckpt.mode", f"ckpt=auto measures the step the trainer runs, {name}.training_step on the first training "
+        f"batch, and there is no train dataloader, nor {sample}",
+        "give fit a train dataloader (or the module a train_dataloader()), or set example_input_array")])
+
+
 __all__ = ["FORWARD", "NONE", "ON_BATCH", "ON_EXAMPLE", "STEP", "MeasuredStep", "logging_silenced", "measured_step",
-           "step_loss", "uncontained_warning"]
+           "no_step_error", "step_loss", "uncontained_warning"]

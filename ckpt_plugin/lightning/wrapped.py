@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ckpt_plugin._compat import user_module
 from ckpt_plugin.apply.install import warn_overkeep
@@ -21,6 +21,8 @@ from ckpt_plugin.config.schema import CkptConfig
 from ckpt_plugin.engine.wrap import in_model_order
 from ckpt_plugin.lightning.sample import training_call
 from ckpt_plugin.lightning.strategies import sharded_parameters
+from ckpt_plugin.measure.fake import NotFakeable
+from ckpt_plugin.measure.report import StepMeasure, WrapReport, how_wrapped, wrap_report, wrapped_line
 
 
 def report_rows(pl_module: pl.LightningModule, plan: Any) -> tuple[list[str], dict[str, str]]:
@@ -70,4 +72,36 @@ def check_fixed_mode(trainer: pl.Trainer, pl_module: pl.LightningModule, config:
         rank_zero_warn(outlook, category=UserWarning)
 
 
-__all__ = ["batch_forward", "check_fixed_mode", "report_rows"]
+def say_what_was_wrapped(pl_module: pl.LightningModule, config: CkptConfig, names: list[str], plan: Any,
+                         forward: Callable[[], Any] | None, sharded: str | None,
+                         without: StepMeasure | NotFakeable | None, rows: Any, options: Any) -> WrapReport | None:
+    """The wrapped line, and the report of what the step keeps with and without (``measure/report.py``)
+    where it can be measured on fake tensors; the report, or None."""
+    how = how_wrapped(config.mode, options)
+    wrapped = f"{wrapped_line(len(names), type(pl_module).__name__, how)}: {', '.join(names)}."
+    report = None
+    if forward is None:
+        why = ("ckpt.sample=none: nothing is measured" if config.sample == "none" else
+               f"there is no training batch to measure the step on (nor `example_input_array` on "
+               f"{type(pl_module).__name__})")
+        rank_zero_info(f"{wrapped} ({why}, so the activation memory this saves is not reported.)")
+    elif sharded is not None:
+        rank_zero_info(f"{wrapped} Their kept bytes are not reported under {sharded}: the report's step on fake "
+                       "tensors would run into the parameters it shards.")
+    elif isinstance(without, NotFakeable):  # counted on fake tensors or not at all: never on real ones
+        rank_zero_info(f"{wrapped} Their kept bytes are not reported: {without}")
+    else:
+        planned = (plan.planned.predicted_peak, plan.planned.budget_bytes) if options else None
+        try:
+            report = wrap_report(pl_module, names, forward, how=how, rows=rows, options=options,
+                                 without=without, planned=planned, peaks=bool(options))
+            if plan.fit is not None:  # ckpt.memory planned the activations for the budget its whole step allows
+                report.budget_is = "the activation budget ckpt.memory allows"
+        except NotFakeable as err:
+            rank_zero_info(f"{wrapped} Their kept bytes are not reported: {err}")
+        else:
+            rank_zero_info(str(report))
+    return report
+
+
+__all__ = ["batch_forward", "check_fixed_mode", "report_rows", "say_what_was_wrapped"]
