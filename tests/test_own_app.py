@@ -102,7 +102,7 @@ def fit(model: pl.LightningModule, *callbacks: pl.Callback, steps: int = 3) -> p
 # --------------------------------------------------------------------------------------
 
 
-def test_auto_plans_on_the_call_training_step_makes_with_the_first_batch(tmp_path, monkeypatch) -> None:
+def test_auto_plans_training_step_on_the_first_batch(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     plain = Net()
@@ -113,15 +113,14 @@ def test_auto_plans_on_the_call_training_step_makes_with_the_first_batch(tmp_pat
     assert model.losses == plain.losses  # the sample took nothing from the RNG the sampler draws from
     assert model.example_input_array is None
     assert all(not m._forward_pre_hooks for m in model.modules())  # nothing left on the module
-    # The very plan, and the very bytes, of a module whose example_input_array is that call: 8 rows of 8
-    # positions, a view of the batch's 9 (what blocks.0 keeps is that storage, as in the training step).
+    assert callback.planned.predicted_peak <= callback.planned.budget_bytes and 0 < len(callback.wrapped) <= 4
+    # An example_input_array changes nothing (issue #42): what is measured is the step the trainer runs,
+    # training_step on the first batch (its slice of the batch, its loss), byte for byte. (The options chosen are
+    # not compared: they are timed, and two runs' timings differ on a loaded machine.)
     torch.manual_seed(0)
     given, reference = Net(), ActivationCheckpointing(mode="auto", layers="Block", budget=0.6)
     given.example_input_array = torch.zeros(8, 9, WIDTH)[:, :-1]
     fit(given, reference, steps=1)
-    assert callback.planned.choices == reference.planned.choices
-    assert callback.planned.predicted_peak == reference.planned.predicted_peak <= callback.planned.budget_bytes
-    assert 0 < len(callback.wrapped) <= 4 and callback.wrapped == reference.wrapped
     assert callback.report.without.total == reference.report.without.total > callback.report.with_ckpt.total
 
 
