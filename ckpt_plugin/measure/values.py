@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ckpt_plugin._compat import (
     CategoryPeakTracker,
@@ -287,12 +288,28 @@ def values_line(record: ValueRecord) -> str:
             "measurements on fake tensors replayed them")
 
 
+class _ListsElementwise(TorchFunctionMode):
+    """``tensor.tolist()`` element by element while recording. On a real CPU tensor it reads memory below the
+    dispatcher (no op a dispatch mode sees), while on a fake tensor it unbinds and reads each element
+    (``aten._local_scalar_dense`` per 0-dim element): so the recording makes the fake path's calls, in its order,
+    and each gets its answer (MONAI's ``DiceLoss`` reads ``torch.arange(2, len(input.shape)).tolist()``)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.tolist and args and isinstance(args[0], torch.Tensor):
+            return _elementwise(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _elementwise(t: torch.Tensor) -> Any:
+    return t.item() if t.dim() == 0 else [_elementwise(e) for e in t.unbind(0)]
+
+
 def record_values(model: nn.Module, forward: Callable[[], Any]) -> ValueRecord:
     """Run ``forward()`` once on real tensors without autograd, recording what it read from values."""
     record = ValueRecord()
     tracker = CategoryPeakTracker()
     tracker.track_external(model)
-    with side_effect_free(model), torch.no_grad(), tracker, _Recording(model, record):
+    with side_effect_free(model), torch.no_grad(), tracker, _Recording(model, record), _ListsElementwise():
         forward()
     peaks = tracker.category_peaks
     record.peak_bytes = max(peaks.get("total", 0) - peaks.get("parameter", 0) - peaks.get("buffer", 0), 0)
