@@ -29,7 +29,9 @@ class ZooModel:
     build: Callable[[], nn.Module]  # tiny and deterministic (seeds itself), in train mode
     batch: Callable[[], dict[str, Any]]  # keyword arguments of one training call, as the library's users give them
     loss: Callable[[Any], torch.Tensor]  # the call's output -> the scalar loss
-    own: Callable[[nn.Module], None] | None  # switches on the library's own checkpointing; None: it has none
+    # switches on the library's own checkpointing: on the model given (returns None), or returns the model built
+    # with it where the library makes that a constructor's choice (MONAI); None: the library has none
+    own: Callable[[nn.Module], nn.Module | None] | None
     units: tuple[str, ...]  # class names of the modules the library itself checkpoints (what auto should pick)
 
     def step(self, model: nn.Module) -> torch.Tensor:
