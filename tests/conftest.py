@@ -158,7 +158,8 @@ def one_thread():
 # `pytest -n 2 --dist loadfile` each worker takes the next file when it is done, so a long file left
 # for last would run alone on one core at the end while the other waits.
 SLOWEST_FIRST = ("test_slurm.py", "test_strategies.py", "test_process_memory.py", "test_resume.py",
-                 "test_properties.py", "test_zoo.py", "test_wheel.py")
+                 "test_properties.py", "test_zoo.py", "test_wheel.py",
+                 "test_zoo_libraries.py")  # ~100 s of CPU on one thread (2026-11-29): planning e3nn's and CoCa's steps
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -25,11 +25,14 @@ class ZooModel:
 
     name: str  # "hf.swin", "torch.transformer_encoder", "shape.efficientnet"
     family: str  # decoder | encoder | encoder-decoder | moe | state-space | vision | audio | torch | shape
-    #              | protein | graph | einx | torchtune | diffusion
+    #              | protein | graph | einx | torchtune | diffusion | medical-3d | contrastive | neural-operator
+    #              | equivariant
     build: Callable[[], nn.Module]  # tiny and deterministic (seeds itself), in train mode
     batch: Callable[[], dict[str, Any]]  # keyword arguments of one training call, as the library's users give them
     loss: Callable[[Any], torch.Tensor]  # the call's output -> the scalar loss
-    own: Callable[[nn.Module], None] | None  # switches on the library's own checkpointing; None: it has none
+    # switches on the library's own checkpointing: on the model given (returns None), or returns the model built
+    # with it where the library makes that a constructor's choice (MONAI); None: the library has none
+    own: Callable[[nn.Module], nn.Module | None] | None
     units: tuple[str, ...]  # class names of the modules the library itself checkpoints (what auto should pick)
 
     def step(self, model: nn.Module) -> torch.Tensor:
@@ -50,15 +53,16 @@ def hf_loss(output: Any) -> torch.Tensor:
 
 def all_models() -> list[ZooModel]:
     """Every zoo entry: Hugging Face (if transformers imports), torch's own, the shapes, the families of issue #33
-    (``families.py``: proteins, graphs, einx, torchtune) and diffusion (``diffusion.py``, where it exists)."""
-    from ckpt_tools.zoo import families, hf, torch_models
+    (``families.py``: proteins, graphs, einx, torchtune), diffusion (``diffusion.py``, where it exists) and the
+    libraries of issue #42 (``libraries.py``: MONAI, CoCa, neuraloperator, e3nn; each where it imports)."""
+    from ckpt_tools.zoo import families, hf, libraries, torch_models
 
     entries = [*hf.models(), *torch_models.models(), *families.models()]
     if importlib.util.find_spec("ckpt_tools.zoo.diffusion") is not None:  # written beside this one (issue #33)
         from ckpt_tools.zoo import diffusion
 
         entries += diffusion.models()
-    return entries
+    return entries + libraries.models()
 
 
 __all__ = ["ZooModel", "all_models", "hf_loss"]

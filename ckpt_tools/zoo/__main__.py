@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = [e for e in all_models() if not wanted or e.name in wanted]
     print(f"python -m ckpt_tools.zoo{' --min' * least}{f' --budget={budget:g}' if flags else ''}  "
           "(activation peak: MemTracker, one training step, CPU)")
-    print(f"{'model':<28}{'family':<12}{'chosen':<40}{'units':>6}{'wrapped':>8}{'bitwise':>8}"
+    print(f"{'model':<28}{'family':<16}{'chosen':<40}{'units':>6}{'wrapped':>8}{'bitwise':>8}"
           f"{'none':>11}{'ours':>11}{'ours/none':>10}{'own':>11}{'ours/own':>9}{'floor':>11}"
           + (f"{'min':>11}{'min/none':>9}{'min+10%':>8}" * least)
           + (f"{'/none':>7}{'step':>11}{'planning':>11}  ckpt.budget={budget:g}" if flags else ""))
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(entry, least=least, budget=budget)
         except Exception as err:  # noqa: BLE001 - a table of many models: one that fails is a row, not the end
             failed.append(entry.name)
-            print(f"{entry.name:<28}{entry.family:<12}failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            print(f"{entry.name:<28}{entry.family:<16}failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
             continue
         results.append(r)
         chosen = ", ".join(r.note.split(" chose ", 1)[1].split(" (", 1)[0].split(", "))
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         own = format_bytes(r.own.act_peak) if r.own else "-"
         ratio = f"{r.ours_over_own:.3f}" if r.own else "-"
         worst = max(worst, r.ours_over_own or 0.0)
-        print(f"{entry.name:<28}{entry.family:<12}{chosen[:39]:<40}{same:>6}{len(r.wrapped):>8}"
+        print(f"{entry.name:<28}{entry.family:<16}{chosen[:39]:<40}{same:>6}{len(r.wrapped):>8}"
               f"{'yes' if not r.mismatches else 'NO':>8}{format_bytes(r.none.act_peak):>11}"
               f"{format_bytes(r.ours.act_peak):>11}{r.ours.act_peak / r.none.act_peak:>10.3f}{own:>11}{ratio:>9}"
               f"{format_bytes(r.floor) if r.floor is not None else '-':>11}" + (_least_columns(r) if least else "")

@@ -205,8 +205,11 @@ def at_budget(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
 def _at_budget_or_refused(entry: ZooModel, fraction: float, none: Run) -> BudgetResult:
     try:
         return at_budget(entry, fraction, none)
-    except NotFakeable as err:  # reads tensor values fake tensors have none of (measure/fake.py): a row says so
-        return BudgetResult(f"{fraction:g}", refused=f"NotFakeable ({str(err).split('cannot run on them: ', 1)[-1]})")
+    except (NotFakeable, ConfigError) as err:  # reads tensor values fake tensors have none of (measure/fake.py)
+        cause = err if isinstance(err, NotFakeable) else err.__cause__  # planning's ConfigError names it as its cause
+        if not isinstance(cause, NotFakeable):
+            raise
+        return BudgetResult(f"{fraction:g}", refused=f"NotFakeable ({str(cause).split('cannot run on them: ', 1)[-1]})")
 
 
 def _checked(result: BudgetResult, none: Run) -> BudgetResult:
@@ -237,7 +240,8 @@ def measure(entry: ZooModel, least: bool = False, budget: float | None = None) -
         own = None
         if entry.own is not None:
             theirs = entry.build()
-            entry.own(theirs)
+            rebuilt = entry.own(theirs)
+            theirs = theirs if rebuilt is None else rebuilt
             own = _train(entry, theirs, compared=False)
         planned = _planned(entry, "min") if least else None
         above_budget = int(ABOVE * planned.act_peak) if planned else 0
