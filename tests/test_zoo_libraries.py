@@ -67,7 +67,7 @@ def test_auto_at_half_the_peak_is_met_or_its_least_is(name: str, refused: bool) 
     assert result.run.act_peak <= result.limit, (result.run.act_peak, result.limit)
 
 
-@pytest.mark.parametrize("name", ["monai.unet", "neuralop.fno"])  # a loss that reads values; a value-free one
+@pytest.mark.parametrize("name", ["neuralop.fno"])  # MONAI's UNet with its loss: under a Trainer, below
 def test_a_memory_between_the_least_step_and_none_holds_the_real_step(name: str) -> None:
     """The whole step as its users run it: their loss, then AdamW (its state counted); the limit halfway between the
     step with every layer auto chose fully checkpointed (no plan holds more than the least, so this is at least the
@@ -118,3 +118,51 @@ def test_the_table_says_what_the_budget_met_on_a_loss_that_reads_values(capsys: 
     assert "1.715" in row.split()  # ours/own
     assert "refused (least 0.69), then met; 3 reads of values recorded" in row
     assert "refused NotFakeable on 0" in out
+
+
+def test_a_trainer_plans_the_memory_of_a_step_whose_dice_loss_reads_values(tmp_path) -> None:
+    """Issue #42: MONAI's UNet in a LightningModule as its users write one, DiceCELoss in training_step (which reads
+    values: its tolist), no forward, no example_input_array, its own train_dataloader; ckpt.memory halfway between
+    the least whole step and none's: the real step at the second batch under the limit, within 1 % of the
+    prediction."""
+    import lightning.pytorch as pl
+    from monai.losses import DiceCELoss
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckpt_plugin import ActivationCheckpointing
+    from ckpt_tools.zoo import libraries
+
+    class Segmenter(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = ZOO["monai.unet"].build()
+            self.dice = DiceCELoss(to_onehot_y=True, softmax=True)
+
+        def training_step(self, batch, batch_idx):
+            volume, labels = batch
+            return self.dice(self.net(volume), labels)
+
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(0)
+            volumes = torch.randn(4, 1, *libraries.UNET_SIDES, generator=g)
+            labels = torch.randint(libraries.CLASSES, (4, 1, *libraries.UNET_SIDES), generator=g)
+            return DataLoader(TensorDataset(volumes, labels), batch_size=libraries.B)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    probe = Segmenter()
+    volume, labels = next(iter(probe.train_dataloader()))
+    step = lambda: probe.training_step((volume, labels), 0)  # noqa: E731
+    optimizers = [torch.optim.AdamW(probe.parameters(), lr=1e-3)]
+    without = whole_of(probe, WrapPlan(), step, optimizers).peak
+    full = whole_of(probe, plan_for(probe, make_config(layers="ResidualUnit")), step, optimizers).peak
+    limit = (full + without) // 2
+    callback = ActivationCheckpointing(mode="auto", layers="ResidualUnit", memory=limit)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         default_root_dir=tmp_path)
+    trainer.fit(Segmenter())
+    measured, predicted = callback.step_watch.measured.peak, callback.step_watch.predicted.peak
+    assert callback.wrapped and measured <= limit, (measured, limit)
+    assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
