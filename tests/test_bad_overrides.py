@@ -162,9 +162,12 @@ CASES = [
          "unknown key ckpt.layer (did you mean ckpt.layers?) for ckpt mode 'full'; valid keys: layers, every_n, "
          "sample, preserve_rng_state, check_recompute, segments, offload, budget, deepspeed, compile"),
     case("ckpt=full  ckpt.sample=first", "ckpt.sample", "'first'",
-         "ckpt.sample='first' is not one of step, forward, none"),
+         "ckpt.sample='first' is not one of step, forward, none; step: the trainer's training_step on the first "
+         "batch (the default); forward: the module's forward on example_input_array; none: measure nothing (fixed "
+         "modes)"),
     case("ckpt=auto  ckpt.budget=0.5  ckpt.sample=none", "ckpt.sample", "ckpt.sample=none",
-         "ckpt.sample=none measures nothing, and ckpt=auto plans by measuring the step"),
+         "ckpt.sample=none measures nothing, and ckpt=auto plans by measuring the step; ckpt.sample=step (the "
+         "default) or forward"),
     case("ckpt.budget=0.5", "ckpt.budget", "0.5",
          "ckpt.budget=0.5 is only read with ckpt.segments=optimal, not ckpt.segments=null; set ckpt.segments=optimal "
          "(the least recomputation that fits the budget), or drop ckpt.budget (ckpt=auto takes a budget too: it "

@@ -253,7 +253,7 @@ class ActivationCheckpointing(pl.Callback):
             self._early = (plan_for(pl_module, self.config), before)
             return
         step = self._measured(trainer, pl_module, planning=True)
-        plan, batch = self._agreed_plan(trainer, pl_module, step.forward, before_sharding=True)
+        plan, batch = self._agreed_plan(trainer, pl_module, step.run, before_sharding=True)
         if batch is not None:
             set_batch_size(trainer, pl_module, batch)
             self.batch_size = batch
@@ -268,7 +268,7 @@ class ActivationCheckpointing(pl.Callback):
         early, self._early = self._early, None  # planned in setup, before the strategy sharded the module
         planning = isinstance(self.config, AutoConfig) and self.config.plan is None and early is None
         step = self._measured(trainer, pl_module, planning=planning)
-        forward = step.forward if step is not None else None
+        forward = step.run if step is not None else None
         if early is not None:  # the same modules, named as the strategy's wrapping named them
             plan = renamed(early[0], names_after_wrapping(early[1], pl_module))
         elif planning:
@@ -277,7 +277,7 @@ class ActivationCheckpointing(pl.Callback):
                 set_batch_size(trainer, pl_module, batch)
                 self.batch_size = batch
                 step = self._measured(trainer, pl_module, planning=True)  # the report: the step as it will run
-                forward = step.forward
+                forward = step.run
         else:
             plan = plan_for(pl_module, self.config, forward)
         if plan.summary:

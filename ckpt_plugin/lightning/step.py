@@ -1,11 +1,11 @@
 """What measuring runs under Lightning: the step the trainer runs, its loss included (issue #42).
 
     step = measured_step(trainer, pl_module, config.sample)   # a MeasuredStep, or None
-    step.forward()        # training_step on the first training batch, to its loss: effects contained
+    step.run()            # training_step on the first training batch, to its loss: effects contained
     step.source           # "training_step on the first training batch", said in the plan's summary
 
 Every measurement the callback makes (``ckpt=auto``'s profile and timing, the
-report, the over-keeping check, the offload outlook) runs ``step.forward``: the
+report, the over-keeping check, the offload outlook) runs ``step.run``: the
 module's own ``training_step`` on the first training batch, with the layers
 found wherever it calls them (``self(...)``, ``self.net(...)``, a loss module),
 its loss and metrics included, under the precision plugin's training context,
@@ -46,9 +46,9 @@ ON_EXAMPLE = "the module's forward on example_input_array"
 
 @dataclass
 class MeasuredStep:
-    """The step measurements run: ``forward()`` runs it to its loss, every effect a user could see contained."""
+    """The step measurements run: ``run()`` runs it to its loss, every effect a user could see contained."""
 
-    forward: Callable[[], Any]
+    run: Callable[[], Any]
     source: str  # ON_BATCH or ON_EXAMPLE: what the plan's summary says it was made for
     batch: Any = None  # the first training batch, where the step is training_step's
     uncontained: set[str] = field(default_factory=set)  # what a run could not put back (said once per fit)
@@ -94,7 +94,7 @@ def measured_step(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: st
         measured.uncontained.update(kept.uncontained)
         return loss
 
-    measured.forward = forward
+    measured.run = forward
     return measured
 
 
@@ -112,7 +112,7 @@ def _example(trainer: pl.Trainer, pl_module: pl.LightningModule) -> MeasuredStep
         measured.uncontained.update(kept.uncontained)
         return out
 
-    measured.forward = forward
+    measured.run = forward
     return measured
 
 

@@ -24,8 +24,8 @@ So around each one, the module's own state is put back as it was:
 Buffers (BatchNorm statistics) are put back where real tensors run
 (``measure.memory.side_effect_free``); on fake tensors nothing real is written.
 
-Submodules, hooks and what Lightning owns (the trainer, the loggers) are not the
-step's to change and are not copied. An attribute that cannot be copied (a
+Submodules, hooks and the frameworks' own objects (the trainer, a device, a
+generator) are not the step's to change and are not copied. An attribute that cannot be copied (a
 lock, a file, a generator) is listed in ``uncontained``: its changes stay.
 Effects outside the module (a global, a file written) cannot be seen here at all;
 the docs say so, with the key that runs no measurement (``ckpt.sample``).
@@ -45,20 +45,12 @@ from typing import Any
 import torch
 from torch import nn
 
-# What nn.Module keeps in its __dict__ for itself: its registries and hooks, never a step's to change.
-_MODULE_OWN = frozenset({
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks", "_backward_hooks",
-    "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "training",
-})
-# What Lightning keeps on a LightningModule and owns (the trainer, its fabric, the loggers' view of it).
-_LIGHTNING_OWN = frozenset({"_trainer", "_fabric", "_jit_is_scripting", "_compiler_ctx", "_current_fx_name",
-                            "_metric_attributes", "_register_sharded_tensor_state_dict_hooks_if_available",
-                            "_device_mesh", "_param_requires_grad_state", "_example_input_array",
-                            "_automatic_optimization", "_strict_loading", "_fabric_optimizers"})
+from ckpt_plugin._compat import version
 
-
+# What nn.Module keeps in its __dict__ for itself (its registries and hooks, ``training``): never a step's to change.
+_MODULE_OWN = frozenset(vars(nn.Module()))
+# Objects of the frameworks (a Trainer, a Fabric, a device, a generator) are not the step's state: kept by reference.
+_FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric")
 _COPIED_TENSOR_BYTES = 16 << 20  # a tensor attribute up to this size is copied, to be put back if written in place
 
 
@@ -74,7 +66,7 @@ def _snapshot(value: Any, tensors: list[tuple[torch.Tensor, torch.Tensor | None,
     ``tensors`` with a copy where small, and its version counter)."""
     if isinstance(value, torch.Tensor):
         small = value.numel() * value.element_size() <= _COPIED_TENSOR_BYTES
-        tensors.append((value, value.detach().clone() if small else None, value._version))
+        tensors.append((value, value.detach().clone() if small else None, version(value)))
         return value
     if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         return type(value)(_snapshot(v, tensors) for v in value) if not _is_namedtuple(value) else \
@@ -95,6 +87,13 @@ def _snapshot(value: Any, tensors: list[tuple[torch.Tensor, torch.Tensor | None,
     return copied
 
 
+def _framework_object(value: Any) -> bool:
+    """An object of torch's or Lightning's own classes other than a tensor or a container (a Trainer, a device)."""
+    if isinstance(value, (torch.Tensor, list, tuple, dict, set, collections.deque)):
+        return False
+    return type(value).__module__.split(".")[0] in _FRAMEWORKS
+
+
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
@@ -102,6 +101,8 @@ def _is_namedtuple(value: Any) -> bool:
 def _restore_into(current: Any, saved: Any) -> Any:
     """``saved``'s value, written into ``current`` where both are the same kind of container or plain object (so
     that every holder of ``current`` sees it), else ``saved`` itself to be assigned."""
+    if current is saved:  # kept by reference (code, a framework's object): nothing to write back
+        return current
     if type(current) is not type(saved):
         return saved
     if isinstance(current, list):
@@ -132,7 +133,7 @@ def contained(model: nn.Module) -> Iterator[Kept]:
     for name, module in model.named_modules():
         saved: dict[str, Any] = {}
         for key, value in vars(module).items():
-            if key in _MODULE_OWN or key in _LIGHTNING_OWN or isinstance(value, nn.Module):
+            if key in _MODULE_OWN or isinstance(value, nn.Module) or _framework_object(value):
                 continue
             where = f"{name + '.' if name else ''}{key}"
             try:
@@ -154,16 +155,16 @@ def contained(model: nn.Module) -> Iterator[Kept]:
         if numpy_state is not None:
             numpy.random.set_state(numpy_state)
         with torch.no_grad():
-            for tensor, before, version in tensors:
-                if tensor._version == version:
+            for tensor, before, before_version in tensors:
+                if version(tensor) == before_version:
                     continue
                 if before is None:  # written in place, too large to have been copied
                     kept.uncontained.append(f"{names.get(id(tensor), 'a tensor')} (a tensor written in place)")
                 else:
                     tensor.copy_(before)
         for module, saved in attributes:
-            for key in [k for k in vars(module) if k not in saved and k not in _MODULE_OWN
-                        and k not in _LIGHTNING_OWN and not isinstance(vars(module)[k], nn.Module)]:
+            for key in [k for k, v in vars(module).items() if k not in saved and k not in _MODULE_OWN
+                        and not isinstance(v, nn.Module) and not _framework_object(v)]:
                 del module.__dict__[key]  # added by the step
             for key, value in saved.items():
                 module.__dict__[key] = _restore_into(module.__dict__.get(key), value)
