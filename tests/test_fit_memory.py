@@ -78,6 +78,30 @@ def test_the_whole_step_on_fake_tensors_is_the_real_one(make, layers, optimizer,
     assert real.at_peak["optstate"] > 0 and real.at_peak["parameter"] > 0
 
 
+def test_a_contained_step_costs_what_the_step_costs():
+    """Putting the module's state back (``measure/contained.py``) copies its tensor attributes before the step; no
+    measurement of the step may count those copies (the example GPT's ``example_input_array``, 1,024 B, was once
+    predicted on top of every step). An EMA written in place is put back, by the copy no tracker saw."""
+    from ckpt_plugin.measure.contained import contained
+
+    model = _gpt()
+    model.ema = torch.zeros(64, 1024)  # 256 KiB written in place by the step
+
+    def step():
+        model.ema.add_(1.0)
+        return model(model.example_input_array)
+
+    def step_contained():
+        with contained(model):
+            return step()
+
+    plain = whole_step(model, step, [OPTIMIZERS["adamw"](model.parameters())])
+    model.ema.zero_()
+    kept = whole_step(model, step_contained, [OPTIMIZERS["adamw"](model.parameters())])
+    assert (kept.peak, kept.at_peak) == (plain.peak, plain.at_peak)
+    assert torch.equal(model.ema, torch.zeros(64, 1024))
+
+
 def test_gradients_of_the_step_before_are_alive_while_the_forward_runs():
     """Lightning zeroes the gradients after training_step, before backward: the forward of every step but the
     first runs beside a full set of gradients. Without checkpointing the GPT's step peaks at the end of its

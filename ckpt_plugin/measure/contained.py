@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ckpt_plugin._compat import version
+from ckpt_plugin._compat import beneath_dispatch_modes, version
 
 # What nn.Module keeps in its __dict__ for itself (its registries and hooks, ``training``): never a step's to change.
 _MODULE_OWN = frozenset(vars(nn.Module()))
@@ -66,7 +66,9 @@ def _snapshot(value: Any, tensors: list[tuple[torch.Tensor, torch.Tensor | None,
     ``tensors`` with a copy where small, and its version counter)."""
     if isinstance(value, torch.Tensor):
         small = value.numel() * value.element_size() <= _COPIED_TENSOR_BYTES
-        tensors.append((value, value.detach().clone() if small else None, version(value)))
+        with beneath_dispatch_modes():  # no op of the step: a memory tracker around it must not count the copy
+            before = value.detach().clone() if small else None
+        tensors.append((value, before, version(value)))
         return value
     if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         return type(value)(_snapshot(v, tensors) for v in value) if not _is_namedtuple(value) else \
@@ -92,6 +94,13 @@ def _framework_object(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, list, tuple, dict, set, collections.deque)):
         return False
     return type(value).__module__.split(".")[0] in _FRAMEWORKS
+
+
+def _framework_module(module: nn.Module) -> bool:
+    """A module of torch's or Lightning's own classes only (``nn.Linear``, FSDP's wrapper): its attributes are the
+    framework's bookkeeping (FSDP's state between forward and backward), never the step's to have changed. A user's
+    class in its lineage (FSDP2's ``FSDPBlock`` subclasses the user's ``Block``) makes it the user's."""
+    return all(c.__module__.split(".")[0] in _FRAMEWORKS for c in type(module).__mro__ if c is not object)
 
 
 def _is_namedtuple(value: Any) -> bool:
@@ -131,6 +140,8 @@ def contained(model: nn.Module) -> Iterator[Kept]:
     tensors: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []  # (held, its copy or None, its version)
     names: dict[int, str] = {}
     for name, module in model.named_modules():
+        if _framework_module(module):
+            continue
         saved: dict[str, Any] = {}
         for key, value in vars(module).items():
             if key in _MODULE_OWN or isinstance(value, nn.Module) or _framework_object(value):
@@ -154,7 +165,7 @@ def contained(model: nn.Module) -> Iterator[Kept]:
         random.setstate(python)
         if numpy_state is not None:
             numpy.random.set_state(numpy_state)
-        with torch.no_grad():
+        with torch.no_grad(), beneath_dispatch_modes():
             for tensor, before, before_version in tensors:
                 if version(tensor) == before_version:
                     continue
