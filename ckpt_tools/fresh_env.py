@@ -4,7 +4,8 @@ Both need the same thing, a new venv where pip resolves the project's own ranges
 (``pyproject.toml``) with nothing else installed, so the versions it picks are the
 ones a new user would get on that day. torch comes first and is held to
 ``TORCH`` (our machines have it as a local CPU wheel; an unpinned torch pulls
-gigabytes of CUDA packages), as the README's two commands do.
+gigabytes of CUDA packages), as the README's two commands do, and stays there
+while the rest resolves.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ def fresh_env(extras: str = "test", *pip_args: str, torch: str = TORCH, at: Path
             venv.create(path, with_pip=True)
         env = Env(path)
         env.pip(torch)
-        env.pip(*pip_args, "-e", f".[{extras}]" if extras else ".")
+        # Held there while the rest resolves: torchvision (timm's, in the test extra) pins one torch release
+        # exactly, and pip would replace the torch installed by the newest torchvision's (0.29 pins 2.14: a CUDA
+        # build of several GB) rather than take the torchvision of the torch installed.
+        held = Path(tmp) / "torch.txt"
+        held.write_text(f"{torch}\n")
+        env.pip(*pip_args, "-c", str(held), "-e", f".[{extras}]" if extras else ".")
         yield env
 
 

@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
             constraints.write_text("".join(f"{name}=={v}\n" for name, v in floors("test").items() if name != "torch"))
             pip_args = ["-c", str(constraints)]
         elif args.torch:  # the lock, torch held to the release asked for (the project's range admits newer ones)
-            pins = {name: v for name, v in locked().items() if name != "torch"} | {"torch": args.torch}
+            # torchvision's release follows torch's (0.28.0 pins torch==2.13.0): pip takes the one of that torch
+            pins = {name: v for name, v in locked().items() if name not in ("torch", "torchvision")}
+            pins["torch"] = args.torch
             constraints.write_text("".join(f"{name}=={v}\n" for name, v in pins.items()))
             pip_args = ["-c", str(constraints)]
         torch = f"torch=={args.torch}" if args.torch else TORCH

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import warm_python
+
+import ckpt_tools  # noqa: F401  (before Lightning: lets the CUDA torchvision import, ckpt_tools/torchvision_cpu.py)
 from hydra import compose, initialize_config_dir
 
 from ckpt_plugin.config.hydra import register_configs
@@ -29,6 +31,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every interpreter a test starts imports ckpt_tools first (tests/startup/sitecustomize.py), as this one has:
+# the test environment's torchvision imports only so (ckpt_tools/torchvision_cpu.py).
+STARTUP = ROOT / "tests" / "startup"
+os.environ["PYTHONPATH"] = os.pathsep.join([str(STARTUP), *filter(None, [os.environ.get("PYTHONPATH")])])
 CONFIGS = ROOT / "recipes" / "configs"  # the recipe's own: train.yaml, trainer, callbacks/model_checkpoint
 RECIPE = ROOT / "recipes" / "train.py"
 # Where each config group lives: the plugin ships only ckpt and callbacks/activation_checkpointing;

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 import torch
-from conftest import CONFIGS, RECIPE, ROOT
+from conftest import CONFIGS, RECIPE, ROOT, STARTUP
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -63,7 +63,9 @@ def _env(cluster: slurm_cluster.Cluster) -> dict[str, str]:
     # The job inherits this environment (sbatch --export=ALL): the recipe's `python` is this one.
     path = f"{Path(sys.executable).parent}{os.pathsep}{cluster.env['PATH']}"
     faults = str(ROOT / "tests")  # preempt_faults, for the preemption tests' +callbacks overrides
-    return cluster.env | {"PATH": path, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "PYTHONPATH": faults}
+    # STARTUP first, as in every interpreter the suite starts: the test environment's torchvision (conftest.py)
+    pythonpath = os.pathsep.join([str(STARTUP), faults])
+    return cluster.env | {"PATH": path, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
 
 
 def _sbatch(cluster, recipe: str, out: Path, options: list[str], overrides: list[str]):

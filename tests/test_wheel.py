@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import STARTUP
 
 ROOT = Path(__file__).resolve().parents[1]
 # The top-level packages the wheel ships: pyproject's [tool.setuptools.packages.find] include patterns.
@@ -213,6 +214,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (cwd / "app" / "conf" / "config.yaml").write_text(APP_CONFIG)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}  # five processes, 2 cores
+    # The borrowed test environment has timm's torchvision: these interpreters import ckpt_tools first, as the
+    # suite's do (conftest.py). The folder holds only that sitecustomize; ckpt_tools is the wheel's.
+    env["PYTHONPATH"] = str(STARTUP)
     bin_ = venv / "bin"
     commands = {
         "probe": [str(python), "-c", PROBE],

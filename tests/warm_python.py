@@ -12,7 +12,8 @@ sets it, then ``PYTHONPATH``, then the installed packages: nothing of pytest's),
 captured from its file descriptors, and the script executed as ``__main__``. The exit code is the
 script's (``SystemExit``, an uncaught exception: 1 with the traceback on stderr).
 
-What a fork shares is only the third-party imports; our packages are imported by the run itself.
+What a fork shares is only the third-party imports (and ``ckpt_tools``'s package, whose import lets
+the registry's CUDA torchvision import on the CPU torch); our modules are imported by the run itself.
 Tests about what a command imports, about the process's memory, or about signals sent to a
 process group start a real interpreter (``subprocess``) instead.
 """
@@ -34,7 +35,9 @@ from pathlib import Path
 
 __all__ = ["run"]
 
-PRELOAD = ["torch", "lightning.pytorch", "hydra", "hydra.main", "omegaconf"]
+# ckpt_tools first: importing it lets the registry's CUDA torchvision import on the CPU torch (torchvision_cpu.py),
+# before lightning.pytorch imports it through torchmetrics.
+PRELOAD = ["ckpt_tools", "torch", "lightning.pytorch", "hydra", "hydra.main", "omegaconf"]
 _LOCK = threading.Lock()
 
 

@@ -17,6 +17,14 @@ Rules, tried in turn; the first that finds anything decides:
    :func:`_diffusers_blocks`), outermost where they nest: the VAE's Encoder
    checkpoints its mid block whole, the mid block its resnets again inside.
    Read from attribute names, so diffusers is never imported.
+   A timm model (a module with ``set_grad_checkpointing()``) marks its callers
+   the same way, with a boolean ``grad_checkpointing``, and each runs one
+   sequence of its children through ``checkpoint_seq`` (every element its own
+   checkpoint) or ``checkpoint``: the blocks it holds in containers (EfficientNet
+   and MobileNetV3 their ``blocks`` stages flattened, ResNet ``layer1``-``layer4``
+   flattened, ConvNeXt, Swin and ViT their ``blocks``), else its numbered
+   children (a RegNet stage's ``b1``, ``b2``...): see :func:`_timm_blocks`.
+   Read from attribute names, so timm is never imported.
 2. **The repeated blocks of the structure**, for any other model. The model
    is walked from its root, looking through the containers whose forward
    only runs their children in turn (``nn.Sequential``, ``nn.ModuleList``,
@@ -58,6 +66,7 @@ from ckpt_plugin.errors import Problem
 
 HF_MARK = "GradientCheckpointingLayer"  # transformers.modeling_layers: HF's own checkpointing unit
 DIFFUSERS_MARK = "_supports_gradient_checkpointing"  # diffusers' ModelMixin: enable_gradient_checkpointing() works
+TIMM_MARK = "set_grad_checkpointing"  # timm's switch; the modules it turns on carry a boolean grad_checkpointing
 _STACKS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
@@ -235,6 +244,44 @@ def _diffusers_blocks(model: nn.Module) -> list[nn.Module]:
     return _outermost(ordered)
 
 
+def _timm_callers(model: nn.Module) -> list[nn.Module]:
+    """The modules of timm models in ``model`` that checkpoint children of theirs: each has a boolean
+    ``grad_checkpointing`` (False until the model's ``set_grad_checkpointing()`` turns it on), below a
+    module with ``set_grad_checkpointing()``: the model itself (EfficientNet, ResNet, ViT, MobileNetV3)
+    or its stages (RegNet, ConvNeXt, Swin)."""
+    callers: dict[str, nn.Module] = {}
+    for root_name, root in model.named_modules():
+        if callable(getattr(root, TIMM_MARK, None)):
+            for name, module in root.named_modules(prefix=root_name):
+                if isinstance(getattr(module, "grad_checkpointing", None), bool):
+                    callers[name] = module
+    return list(callers.values())
+
+
+def _timm_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules timm's ``set_grad_checkpointing()`` checkpoints, each on its own, outermost where they nest.
+
+    A caller (:func:`_timm_callers`) runs one sequence of its children through ``checkpoint_seq`` (every
+    element a checkpoint of its own; timm.models._manipulate) in its forward. Which sequence is written
+    only there, so it is read from the structure (checked against timm 1.0.31's EfficientNet, MobileNetV3,
+    ResNet, RegNet, ConvNeXt, Swin and ViT by running their switch: ``tests/test_timm.py``): the modules
+    with a forward and children of their own that the caller holds in containers, through nested ones
+    (EfficientNet's ``checkpoint_seq(self.blocks, x, flatten=True)``: every block of every stage, the
+    lone depthwise-separable block of stage 0 too; a ConvNeXt stage's ``blocks``, not the norm and conv
+    of its ``downsample``), else its numbered children (a RegNet stage's ``checkpoint_seq(self.children())``
+    over ``b1``, ``b2``...). A child held as a plain attribute runs outside: ViT's ``patch_embed`` and
+    ``attn_pool``, a Swin stage's ``downsample``. Not read: the ``features_only`` models, which checkpoint
+    whole stages (``EfficientNetFeatures``: ``checkpoint(b, x)`` per stage); their blocks are chosen.
+    """
+    ids = {id(m): n for n, m in model.named_modules()}
+    found: set[str] = set()
+    for caller in _timm_callers(model):
+        parts = [s for s in _siblings(caller) if has_forward(s.module) and next(s.module.children(), None) is not None]
+        found.update(ids[id(s.module)] for s in ([s for s in parts if s.stacked] or
+                                                 [s for s in parts if s.numbered() is not None]))
+    return _outermost([(n, m) for n, m in model.named_modules() if n in found])
+
+
 def _declared_no_split(model: nn.Module) -> list[str]:
     """The class names Hugging Face models in ``model`` declare in ``_no_split_modules``, in model order."""
     declared: dict[str, None] = {}
@@ -253,14 +300,18 @@ def _classes(modules: list[nn.Module]) -> tuple[str, ...]:
 
 def find_blocks(model: nn.Module) -> tuple[tuple[str, ...], str] | Problem:
     """The class names of ``model``'s blocks and which rule found them (``"HF GradientCheckpointingLayer"``,
-    ``"diffusers gradient_checkpointing"``, ``"repeated blocks"``, ``"a block alone in a ModuleList/Sequential"``,
-    ``"repeated layers"``, ``"HF _no_split_modules"``), or the Problem saying nothing repeats."""
+    ``"diffusers gradient_checkpointing"``, ``"timm set_grad_checkpointing"``, ``"repeated blocks"``,
+    ``"a block alone in a ModuleList/Sequential"``, ``"repeated layers"``, ``"HF _no_split_modules"``), or the
+    Problem saying nothing repeats."""
     marked = _marked(model)
     if marked:
         return _classes(marked), f"HF {HF_MARK}"
     called = _diffusers_blocks(model)
     if called:
         return _classes(called), "diffusers gradient_checkpointing"
+    timm = _timm_blocks(model)
+    if timm:
+        return _classes(timm), f"timm {TIMM_MARK}"
     blocks = list(_structural_blocks(model, weighted=2))
     if blocks:
         return _classes(blocks), "repeated blocks"

@@ -197,8 +197,9 @@ def resolve_layers(model: nn.Module, layers: str | Sequence[str]) -> tuple[tuple
 
     ``auto`` (alone: it chooses every layer itself) picks the model's blocks by
     the rules of :mod:`ckpt_plugin.engine.blocks`: what the model's library
-    checkpoints itself (Hugging Face's ``GradientCheckpointingLayer``), else the
-    repeated blocks of its structure, else Hugging Face's ``_no_split_modules``.
+    checkpoints itself (Hugging Face's ``GradientCheckpointingLayer``, what
+    diffusers' and timm's own switches checkpoint), else the repeated blocks
+    of its structure, else Hugging Face's ``_no_split_modules``.
     Every module of the chosen classes is then selected, as ``ckpt.layers=<classes>``
     would. The note reads ``ckpt.layers=auto chose GPT2Block (HF
     GradientCheckpointingLayer): 12 modules``; it is None when

@@ -23,10 +23,10 @@ from torch import nn
 class ZooModel:
     """One outside model: how to build it, call it, and switch on its library's own checkpointing."""
 
-    name: str  # "hf.swin", "torch.transformer_encoder", "shape.efficientnet"
+    name: str  # "hf.swin", "torch.transformer_encoder", "timm.efficientnet"
     family: str  # decoder | encoder | encoder-decoder | moe | state-space | vision | audio | torch | shape
     #              | protein | graph | einx | torchtune | diffusion | medical-3d | contrastive | neural-operator
-    #              | equivariant
+    #              | equivariant | timm
     build: Callable[[], nn.Module]  # tiny and deterministic (seeds itself), in train mode
     batch: Callable[[], dict[str, Any]]  # keyword arguments of one training call, as the library's users give them
     loss: Callable[[Any], torch.Tensor]  # the call's output -> the scalar loss
@@ -53,11 +53,12 @@ def hf_loss(output: Any) -> torch.Tensor:
 
 def all_models() -> list[ZooModel]:
     """Every zoo entry: Hugging Face (if transformers imports), torch's own, the shapes, the families of issue #33
-    (``families.py``: proteins, graphs, einx, torchtune), diffusion (``diffusion.py``, where it exists) and the
-    libraries of issue #42 (``libraries.py``: MONAI, CoCa, neuraloperator, e3nn; each where it imports)."""
-    from ckpt_tools.zoo import families, hf, libraries, torch_models
+    (``families.py``: proteins, graphs, einx, torchtune), timm's (``timm_models.py``, issue #42, if timm is
+    installed), diffusion (``diffusion.py``, where it exists) and the libraries of issue #42 (``libraries.py``:
+    MONAI, CoCa, neuraloperator, e3nn; each where it imports)."""
+    from ckpt_tools.zoo import families, hf, libraries, timm_models, torch_models
 
-    entries = [*hf.models(), *torch_models.models(), *families.models()]
+    entries = [*hf.models(), *torch_models.models(), *families.models(), *timm_models.models()]
     if importlib.util.find_spec("ckpt_tools.zoo.diffusion") is not None:  # written beside this one (issue #33)
         from ckpt_tools.zoo import diffusion
 

@@ -1,14 +1,13 @@
-"""The zoo's models outside Hugging Face: torch's and Lightning's own, and the shapes of vision libraries.
+"""The zoo's models outside Hugging Face: torch's and Lightning's own, and shapes of vision libraries.
 
-timm and torchvision cannot be installed beside this project's torch (torch
-2.13 CPU): the registry's torchvision builds link CUDA libraries (its ``_C``
-needs ``libtorch_cuda.so``), and timm imports torchvision. So the shapes
-their models give ``layers=auto`` are rebuilt here in plain torch, each as
-its library nests it:
+timm's own models are in the zoo now (``timm_models.py``, issue #42: real
+EfficientNet, RegNet, ResNet, ConvNeXt, ViT, Swin and MobileNetV3, with timm's
+own checkpointing). The shapes below were rebuilt in plain torch when timm could
+not be installed here; the EfficientNet shape is gone (the real one covers it).
+Those left test the general rule (``layers=auto`` on modules that carry no
+library's mark: none has ``set_grad_checkpointing()``) on nestings the real
+entries do not give it, and ``ckpt_tools/fit_check.py`` trains the RegNet one:
 
-- ``efficientnet``: blocks in ``nn.Sequential`` stages inside an
-  ``nn.Sequential`` (timm's EfficientNet/MobileNetV3); its own checkpointing
-  (timm's ``checkpoint_seq(..., flatten=True)``) checkpoints every block;
 - ``regnet``: blocks as named children ``b1``, ``b2`` of plain-module stages
   (timm's RegNet), each block three conv-norm-acts;
 - ``densenet``: dense layers ``denselayer1``... in an ``nn.ModuleDict`` with
@@ -60,32 +59,6 @@ class ConvNormAct(nn.Sequential):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # a module of its own, as timm's ConvNormAct is
         return super().forward(x)
-
-
-# ---------------------------------------------------------------------- EfficientNet: Sequential in Sequential
-
-class InvertedResidual(nn.Module):
-    def __init__(self, c: int, expand: int = 2) -> None:
-        super().__init__()
-        self.pw, self.dw = ConvNormAct(c, c * expand, 1), ConvNormAct(c * expand, c * expand, 3, groups=c * expand)
-        self.pwl = nn.Conv2d(c * expand, c, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.pwl(self.dw(self.pw(x)))
-
-
-class EfficientNetShape(_Classifier):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = ConvNormAct(3, 8, 3, 2)
-        self.blocks = nn.Sequential(*(nn.Sequential(*(InvertedResidual(8) for _ in range(n))) for n in (2, 3, 2)))
-        self.head = nn.Linear(8, 5)
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in (b for stage in self.blocks for b in stage):  # flattened, as timm's checkpoint_seq
-            x = checkpoint(block, x, use_reentrant=False) if self.grad_checkpointing else block(x)
-        return x
 
 
 # ---------------------------------------------------------------------- RegNet: named children of a stage
@@ -317,8 +290,6 @@ def models() -> list[ZooModel]:
                  ("TransformerEncoderLayer", "TransformerDecoderLayer")),
         ZooModel("lightning.demo_transformer", "torch", _seeded(_lightning_demo), _demo_tokens, _demo_loss, None,
                  ("TransformerEncoderLayer", "TransformerDecoderLayer")),
-        ZooModel("shape.efficientnet", "shape", _seeded(EfficientNetShape), _images, _identity, _own,
-                 ("InvertedResidual",)),
         ZooModel("shape.regnet", "shape", _seeded(RegNetShape), _images, _identity, _regnet_own, ("RegBottleneck",)),
         ZooModel("shape.densenet", "shape", _seeded(DenseNetShape), _images, _identity, _densenet_own,
                  ("DenseLayer",)),
