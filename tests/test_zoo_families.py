@@ -18,9 +18,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from zoo_budget import met_or_its_least
 
 from ckpt_tools.zoo import all_models
-from ckpt_tools.zoo.measure import _cache_off, _train, at_budget
+from ckpt_tools.zoo.measure import _cache_off
 
 ZOO = {entry.name: entry for entry in all_models()}
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second intra-op thread only waits (conftest)
@@ -33,15 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second int
 ])
 def test_auto_at_half_the_peak_is_met_or_its_least_is(name: str, refused: bool) -> None:
     entry = ZOO[name]
-    none = _train(entry, _cache_off(entry.build()))
-    result = at_budget(entry, 0.5, none)
-    assert (result.refused is not None) == refused, result.refused
-    if refused:  # the refusal's least, typed back in bytes, is the limit the step is held to
-        assert result.least == result.limit and result.least < none.act_peak
-    else:
-        assert result.limit == int(0.5 * none.act_peak)
-    assert result.mismatches == []  # loss, every gradient and buffer bitwise those without checkpointing
-    assert result.run.act_peak <= result.limit, (result.run.act_peak, result.limit)
+    result = met_or_its_least(entry, _cache_off(entry.build()), refused)
     assert result.met
 
 

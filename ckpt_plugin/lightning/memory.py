@@ -22,7 +22,7 @@ first batch is drawn. The bound of the search is the train dataset's length, as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,7 +46,7 @@ from ckpt_plugin.lightning.sample import (
     sample_call,
     train_dataloader,
 )
-from ckpt_plugin.lightning.step import STEP, logging_silenced, step_loss
+from ckpt_plugin.lightning.step import STEP, step_loss
 from ckpt_plugin.measure.contained import contained
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 from ckpt_plugin.units import format_bytes
@@ -128,11 +128,13 @@ def _twin_steps(trainer: pl.Trainer, twin: Twin, sample: Sample, held: tuple[Hel
         with trainer.precision_plugin.forward_context():
             return twin.wrapped(*args, **kwargs)
 
+    def redirected(batch: Any, batch_idx: int) -> Any:
+        return trainer.strategy._forward_redirection(twin.wrapped, twin.module, "training_step", batch, batch_idx)
+
     def step(batch: Any) -> Any:
         # The twin shares the module's attributes: what training_step does to them is put back (contained.py).
-        with contained(twin.module), logging_silenced(twin.module), trainer.precision_plugin.train_step_context():
-            out = trainer.strategy._forward_redirection(twin.wrapped, twin.module, "training_step", batch, 0)
-        return out["loss"] if isinstance(out, Mapping) else out
+        with contained(twin.module):
+            return step_loss(trainer, twin.module, batch, redirected)
 
     return TwinSteps(twin, twin_sample(twin, sample, run, step), held)
 

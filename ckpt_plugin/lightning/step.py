@@ -65,11 +65,13 @@ def logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
         del pl_module.log, pl_module.log_dict
 
 
-def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Any:
+def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+              training_step: Callable[[Any, int], Any] | None = None) -> Any:
     """``training_step(batch, 0)``'s loss (a dict's ``"loss"``), ``self.log`` silenced, under the precision
-    plugin's training context; effects not contained (:func:`measured_step`'s forward contains them)."""
+    plugin's training context; effects not contained (:func:`measured_step`'s forward contains them).
+    ``training_step``: how it is called where not directly (FSDP's root redirects it: ``lightning/memory.py``)."""
     with logging_silenced(pl_module), trainer.precision_plugin.train_step_context():
-        out = pl_module.training_step(batch, 0)
+        out = (training_step or pl_module.training_step)(batch, 0)
     return out["loss"] if isinstance(out, Mapping) else out
 
 
