@@ -14,6 +14,8 @@ Lightning puts in.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 from importlib.resources import files
 from typing import Any
 
@@ -45,6 +47,15 @@ class _Windows(Dataset):
         start = (i * 7919) % (len(self.tokens) - self.block_size - 1)  # a prime stride spreads windows
         chunk = self.tokens[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    # Workers are not persistent (resuming needs it): each epoch starts new ones. Forked from a server that has
+    # imported this module (Lightning with it), a worker starts in milliseconds; started bare, each one imports
+    # Lightning to unpickle the dataset, seconds per worker per epoch (on 2 CPU cores, 26 of a DDP run's 45 s).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # read when the server starts: once per training process
+    return context
 
 
 class EpochAwareDataLoader(StatefulDataLoader):
@@ -84,7 +95,7 @@ class EpochAwareDataLoader(StatefulDataLoader):
             # hang before it starts: Python 3.11's child waits in PyOS_AfterFork_Child for a lock a thread held
             # at the fork (seen once: a resumed DDP run's worker, tests/test_resume.py, 2026-11-27). A forkserver
             # forks them from a process of its own, without those threads.
-            kwargs["multiprocessing_context"] = "forkserver"
+            kwargs["multiprocessing_context"] = _forkserver()
         super().__init__(dataset, *args, **kwargs)
         self._generator_at_iter = self.generator.get_state()  # before the current iterator drew its base seed
 
