@@ -13,7 +13,7 @@ import torch
 from conftest import resnet_batch, small_gpt, small_resnet
 
 from ckpt_plugin import remove_checkpointing
-from ckpt_plugin.apply.install import apply_config
+from ckpt_plugin.apply.install import install_plan
 from ckpt_plugin.apply.plan import plan_for
 from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.selection import select_layers
@@ -67,20 +67,22 @@ def test_a_refused_budget_names_the_stem_and_selecting_it_reaches_lower(resnet: 
                             f"({stem / plain:.2f} of the peak without checkpointing) beyond its inputs for backward, "
                             "whatever the plan: add it to ckpt.layers (a qualified name is an entry) for ckpt=auto "
                             "to checkpoint it too"), message
+    # As the message says: its name is an entry. Each plan installed as planned (apply_config would plan again).
+    with_stem = plan_for(model, make_config(mode="auto", layers=["Bottleneck", "stem"], budget="min"),
+                         resnet["forward"])
     peaks = {}
     try:
-        for layers in (["Bottleneck"], ["Bottleneck", "stem"]):  # as the message says: its name, an entry
-            apply_config(model, make_config(mode="auto", layers=layers, budget="min"), resnet["forward"])
-            peaks[len(layers)] = step_memory(
+        for name, plan in (("blocks", least), ("blocks and stem", with_stem)):
+            install_plan(model, plan)
+            peaks[name] = step_memory(
                 lambda: (model.loss(batch).backward(), model.zero_grad(set_to_none=True)), model)["act"]
             remove_checkpointing(model)
     finally:
         remove_checkpointing(model)
-    assert peaks[2] < peaks[1]
+    assert "stem" in with_stem.names and "stem" not in least.names
+    assert peaks["blocks and stem"] < peaks["blocks"]
     # With the stem selected, what is left outside (fc: its input only) is not worth a line.
-    summary = plan_for(model, make_config(mode="auto", layers=["Bottleneck", "stem"], budget="min"),
-                       resnet["forward"]).summary
-    assert "outside ckpt.layers" not in summary
+    assert "outside ckpt.layers" not in with_stem.summary
 
 
 def test_measuring_leaves_the_model_as_it_was(resnet: dict) -> None:
