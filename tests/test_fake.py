@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ckpt_plugin import apply_checkpointing
+from ckpt_plugin._compat import fake_tensor_mode, is_fake
 from ckpt_plugin.engine.wrap import checkpointing_disabled
 from ckpt_plugin.measure.fake import on_fake_tensors
 from ckpt_plugin.measure.memory import saved_bytes, side_effect_free
@@ -162,3 +165,38 @@ def test_on_fake_tensors_passes_other_errors_through():
     with pytest.raises(ValueError, match="^not about fake tensors$"):
         with on_fake_tensors(model, "a test"):
             raise ValueError("not about fake tensors")
+
+
+class _AllReal(TorchDispatchMode):
+    """Counts the calls with no fake tensor among their arguments (BatchNorm's step count): torch's to decide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs or {}))
+        self.calls += any(isinstance(t, torch.Tensor) for t in leaves) and not any(is_fake(t) for t in leaves)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_real_model_on_a_fake_batch_is_cached_as_a_fake_one():
+    """Planning runs the model's real parameters on fake inputs; torch's fake mode would pass its cache by for
+    every such call (and run BatchNorm's Python decomposition each time). Converted first (``_compat/fake.py``),
+    only calls without any fake tensor pass it by, and the second pass of a ResNet's step misses it nowhere."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = small_resnet()
+    x, y = resnet_batch(model)
+    mode = fake_tensor_mode()
+    with mode:
+        batch = (mode.from_tensor(x), mode.from_tensor(y))
+        model.loss(batch).backward()  # the first pass fills the cache
+        model.zero_grad(set_to_none=True)
+        bypassed, misses = FakeTensorMode.cache_bypasses["non-fake tensor"], FakeTensorMode.cache_misses
+        with _AllReal() as all_real:
+            model.loss(batch).backward()
+        model.zero_grad(set_to_none=True)
+    assert 0 < all_real.calls < 20  # a step count per BatchNorm, the fc weight's transpose
+    assert FakeTensorMode.cache_bypasses["non-fake tensor"] - bypassed == all_real.calls
+    assert FakeTensorMode.cache_misses == misses
