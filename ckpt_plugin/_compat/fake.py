@@ -7,7 +7,6 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 
 def fake_tensor_mode(replay: Any = None) -> Any:
@@ -29,6 +28,9 @@ def active_fake_mode() -> Any:
     from torch._guards import active_fake_mode as active
 
     return active()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a real tensor as a model holds it (no subclass)
 
 
 @functools.cache
@@ -79,17 +81,30 @@ def _fake_mode_class() -> type:
             batch, as planning runs it, missed it on every layer, and BatchNorm's decomposition ran in Python
             at every call (9.1 s of a 16.6 s ResNet plan). Converted first, the call is cached as any fake one.
             A call with no fake tensor, or one that changes a real tensor's metadata in place, is left to torch."""
-            leaves = tree_leaves((args, kwargs))
-            if torch.Tag.inplace_view in func.tags or not any(isinstance(t, FakeTensor) for t in leaves):
+            if torch.Tag.inplace_view in func.tags:
+                return args, kwargs
+            # An op's tensors sit in its arguments or in one list of them (cat's): looked at without pytree, which
+            # cost more than the cache saved on a GPT.
+            real = fake = False
+            for a in (*args, *(kwargs.values() if kwargs else ())):
+                for t in a if isinstance(a, list | tuple) else (a,):
+                    if isinstance(t, FakeTensor):
+                        fake = True
+                    elif type(t) in _PLAIN:
+                        real = True
+            if not (real and fake):
                 return args, kwargs  # all real: torch decides (it may run the op on them, as AdamW's step count)
             converter = self.fake_tensor_converter
 
-            def fake(t: Any) -> Any:
-                if type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta":
-                    return converter.from_real_tensor(self, t)
-                return t
+            def one(t: Any) -> Any:
+                return converter.from_real_tensor(self, t) if type(t) in _PLAIN and t.device.type != "meta" else t
 
-            return tree_map(fake, args), tree_map(fake, kwargs) if kwargs else kwargs
+            def each(a: Any) -> Any:
+                if isinstance(a, list | tuple):  # an op takes a list or a tuple of tensors, never a subclass of one
+                    return list(map(one, a)) if isinstance(a, list) else tuple(map(one, a))
+                return one(a)
+
+            return tuple(each(a) for a in args), {k: each(v) for k, v in kwargs.items()} if kwargs else kwargs
 
     return _FakeTensorMode
 
