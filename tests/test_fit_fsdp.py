@@ -68,9 +68,12 @@ def test_every_rank_measures_its_sharded_whole_step_under_the_limit_and_as_predi
             assert abs(rank["measured_at_peak"][category] - predicted) <= slack, category
 
 
-def test_a_lower_limit_checkpoints_more_and_a_limit_above_the_step_without_wraps_nothing(out: Path) -> None:
-    wrapped = [len(ranks(out, r)[0]["wrapped"]) for r in ("adamw_high", "adamw_mid", "adamw_low")]
-    assert 0 < wrapped[0] < wrapped[1] < wrapped[2]
+def test_a_lower_limit_plans_a_smaller_step_by_checkpointing(out: Path) -> None:
+    # Bytes, not how many modules: which layers or parts the planner takes under a limit depends on their timings.
+    runs = ("adamw_high", "adamw_mid", "adamw_low")
+    predicted = [ranks(out, r)[0]["predicted"] for r in runs]
+    assert predicted[0] > predicted[1] > predicted[2]
+    assert all(ranks(out, r)[0]["wrapped"] for r in runs)  # every limit is below the step without checkpointing
     assert all(".attn" in n or ".mlp" in n or n.endswith("_fsdp_wrapped_module")
                for n in ranks(out, "adamw_low")[0]["wrapped"])  # named as FSDP wrapped them: the same modules
 
