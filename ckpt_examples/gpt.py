@@ -12,13 +12,13 @@ users do.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_examples.sharding import shard_blocks
 from ckpt_plugin import checkpoint_name
 
 
@@ -68,22 +68,6 @@ class TransformerBlock(nn.Module):
         # Tags for ckpt=names (JAX checkpoint_name): identity unless a names policy is active.
         x = x + checkpoint_name(self.attn(self.ln1(x)), "attn_out")
         return x + self.mlp(self.ln2(x))
-
-
-def shard_blocks(model: nn.Module, blocks: nn.ModuleList, mesh: Any) -> None:
-    """FSDP2 ``fully_shard`` on each block, then on the whole model, over the data-parallel mesh.
-
-    The blocks keep their class name for ``ckpt.layers`` (fully_shard makes
-    them ``FSDPTransformerBlock``, a subclass, which the selection matches).
-    """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if isinstance(model, FSDPModule):  # configure_model may run more than once
-        return
-    dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-    for block in blocks:
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
 
 
 class GPT(pl.LightningModule):

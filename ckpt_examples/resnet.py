@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_examples.sharding import shard_blocks
+
 
 class Bottleneck(nn.Module):
     """1x1 reduce, 3x3, 1x1 expand, each with BatchNorm; dropout on the residual branch."""
@@ -69,6 +71,10 @@ class ResNet(pl.LightningModule):
             *(ResStage(channels, d, 1 if i == 0 else 2, dropout) for i, d in enumerate(depths))
         )
         self.fc = nn.Linear(channels, num_classes)
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # trainer=model_parallel: shard with FSDP2, Bottleneck by Bottleneck
+            shard_blocks(self, [block for stage in self.stages for block in stage], self.device_mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))  # (B, C, H', W')

@@ -155,7 +155,7 @@ def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], 
     if rank == 0:  # the twin: rank 0's shards, as FSDP will cut them
         twin = make_twin(model, lambda m, group: _fsdp(m, group, policy),
                          lambda m: [OPTIMIZERS[optimizer](m.parameters())], rank=0, world_size=world)
-        chains = twin.unmoved(names)  # False: a unit per layer, no region over several (Measuring.chains)
+        chains = twin.regions_allowed(names)  # False: a unit per layer, no region over several (Measuring.chains)
         inner = rooted(subject.sample(twin.module), twin.wrapped, twin.module)
         steps = TwinSteps(twin, twin_sample(twin, inner, inner.run, inner.step))
         without, least = steps.of(WrapPlan()), steps.of(least_plan(model, names, sample.forward(), chains))

@@ -38,7 +38,7 @@ class SGDGPT(GPT):
 
 def model(strategy: str) -> GPT:
     torch.manual_seed(7)
-    return SGDGPT(**SIZE, defer_init=strategy == "model_parallel")
+    return SGDGPT(**SIZE, defer_init=strategy == "model_parallel")  # "fsdp2": FSDP2 too, the layers built in __init__
 
 
 def data() -> DataLoader:
@@ -52,7 +52,7 @@ def strategy_of(name: str) -> Any:
 
     if name == "fsdp":  # one root unit: a wrap policy per block renames the blocks (blocks.0._fsdp_wrapped_module)
         return CPUFSDPStrategy()
-    if name == "model_parallel":
+    if name in ("model_parallel", "fsdp2"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")

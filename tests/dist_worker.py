@@ -38,7 +38,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.utilities import rank_zero_info
 
-from ckpt_examples.gpt import GPT, shard_blocks
+from ckpt_examples.gpt import GPT
+from ckpt_examples.sharding import shard_blocks
 from ckpt_plugin import ActivationCheckpointing
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""Two FSDP ranks (Lightning's FSDPStrategy, FSDP v1, gloo on CPU) fitting ``ckpt.memory``, for
-tests/test_fit_fsdp.py.
+"""Two FSDP ranks (Lightning's FSDPStrategy, FSDP v1; with ``"strategy": "fsdp2"`` ModelParallelStrategy, the
+examples' FSDP2; gloo on CPU) fitting ``ckpt.memory``, for tests/test_fit_fsdp.py.
 
     python tests/fit_fsdp_worker.py OUT_DIR '[{"name": "adamw_low", "optimizer": "adamw", "memory": 3000000}]'
 
@@ -67,8 +67,14 @@ def fit(out: Path, run: dict[str, Any], cuda: bool = False) -> None:
         callback = ActivationCheckpointing(mode="auto", layers=layer.__name__, memory=run["memory"],
                                            batch=run.get("batch"))
     sizes = Sizes()
-    # --cuda (the GPU check): Lightning's own FSDPStrategy on one GPU; else two gloo ranks on the CPU.
-    strategy = FSDPStrategy(auto_wrap_policy={layer}) if cuda else CPUFSDPStrategy(auto_wrap_policy={layer})
+    # --cuda (the GPU check): Lightning's own strategies on one GPU; else two gloo ranks on the CPU.
+    if run.get("strategy") == "fsdp2":  # the example's configure_model: fully_shard per block, then the whole model
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=1 if cuda else 2, tensor_parallel_size=1,
+                                         process_group_backend=None if cuda else "gloo")
+    else:
+        strategy = FSDPStrategy(auto_wrap_policy={layer}) if cuda else CPUFSDPStrategy(auto_wrap_policy={layer})
     trainer = pl.Trainer(max_steps=3, callbacks=[callback, sizes], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cuda" if cuda else "cpu",
                          devices=1 if cuda else 2, precision=run.get("precision", "32-true"), strategy=strategy,

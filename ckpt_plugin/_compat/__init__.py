@@ -12,7 +12,7 @@ from here (``from ckpt_plugin._compat import user_module``):
 - ``tensors``: a tensor's storage, version counter, base, and the saved-tensor hooks in force;
 - ``pytree``: torch's pytree;
 - ``memory``: MemTracker with per-category peaks;
-- ``fsdp``: FSDP (v1) on fake tensors with a fake process group (a rank's sharded step, measured);
+- ``fsdp``: FSDP (v1) and FSDP2 on fake tensors with fake process groups (a rank's sharded step, measured);
 - ``regions``: non-reentrant checkpoint internals (regions opened by hooks, their frames);
 - ``checkpoint``: the engine's non-reentrant checkpoint calls, whose early stop survives libraries that re-wrap exceptions;
 - ``wrappers``: the user's module inside compile, DDP, FSDP and Fabric wrappers;
@@ -47,7 +47,13 @@ from ckpt_plugin._compat.fake import (
     raised_by_fake_tensors,
     reads_values,
 )
-from ckpt_plugin._compat.fsdp import fake_copy, fake_process_group, fsdp_on_fake_tensors
+from ckpt_plugin._compat.fsdp import (
+    fake_copy,
+    fake_device_mesh,
+    fake_process_group,
+    fsdp_on_fake_tensors,
+    shard_units,
+)
 from ckpt_plugin._compat.hooks import (
     global_hook_count,
     hook_count,
@@ -92,10 +98,12 @@ __all__ = [
     "early_stop_in_force",
     "fake_read_error",
     "fake_copy",
+    "fake_device_mesh",
     "fake_process_group",
     "fake_tensor_mode",
     "forget_compiled",
     "fsdp_on_fake_tensors",
+    "shard_units",
     "global_hook_count",
     "hook_count",
     "in_backward",

@@ -1,4 +1,4 @@
-"""FSDP (v1) on fake tensors with a fake process group: a rank's sharded step measured without a collective.
+"""FSDP (v1) and FSDP2 on fake tensors with fake process groups: a rank's sharded step measured without a collective.
 
 :func:`fake_copy` makes the module to shard: its parameters and buffers fake, set into each module's private
 ``_parameters``/``_buffers``/``_modules`` (``Module.to`` cannot swap a fake parameter in place).
@@ -21,11 +21,20 @@ torch 2.13 has it, both undone on leaving :func:`fsdp_on_fake_tensors`:
 Measured with 2 gloo processes (FULL_SHARD and SHARD_GRAD_OP, AdamW, a block wrap
 policy): the fake rank's second step equals the real rank's in every MemTracker
 category, to the byte (``tests/test_fit_fsdp.py``).
+
+FSDP2 (``fully_shard``) takes a ``DeviceMesh``, and a mesh's groups are looked up by
+name in c10d's registry, which takes only a ``ProcessGroup``: :func:`fake_device_mesh`
+makes one per dimension around a ``FakeProcessGroup`` backend, registered under a name of
+its own (unregistered when the mesh is collected), and the collectives above return at once
+on them too. It is built on the real mesh's layout without any collective, so rank 0 can
+make it alone while the other ranks wait.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,10 +94,65 @@ def fake_process_group(rank: int, world_size: int) -> Any:
     return create(rank, world_size) if create is not None else FakeProcessGroup(rank, world_size)
 
 
+_MESH_GROUPS: set[str] = set()  # the names fake_device_mesh registered, until its mesh is collected
+_NUMBER = itertools.count()
+
+
+def _registered_fake_group(rank: int, size: int) -> Any:
+    """A ``ProcessGroup`` of ``size`` ranks, this one ``rank``, on a ``FakeProcessGroup`` backend, registered by
+    name in c10d's map (private: where DeviceMesh finds its groups; it holds them weakly)."""
+    from torch._C._distributed_c10d import ProcessGroup, _register_process_group  # private
+
+    group = ProcessGroup(dist.HashStore(), rank, size)
+    backend = fake_process_group(rank, size)
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    name = f"ckpt_fake_mesh_{next(_NUMBER)}"
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    _MESH_GROUPS.add(name)
+    return group
+
+
+def _unregister(names: list[str]) -> None:
+    from torch._C._distributed_c10d import _unregister_process_group  # private
+
+    for name in names:
+        _MESH_GROUPS.discard(name)
+        _unregister_process_group(name)
+
+
+def fake_device_mesh(like: Any) -> Any:
+    """A ``DeviceMesh`` with ``like``'s layout, dimension names and device type, this rank where it is in ``like``,
+    each dimension's group fake (the collectives in :func:`fsdp_on_fake_tensors` move nothing on it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes  # private
+
+    with _disable_current_modes():  # the mesh's own tensor of ranks is read for its layout: never fake
+        coordinate = like.get_coordinate()
+        groups = [_registered_fake_group(coordinate[dim], size) for dim, size in enumerate(like.mesh.shape)]
+        mesh = DeviceMesh(like.device_type, like.mesh, mesh_dim_names=like.mesh_dim_names, _init_backend=False)
+    names = [group.group_name for group in groups]
+    mesh._dim_group_names = names  # private: where DeviceMesh keeps the name of each dimension's group
+    mesh._pg_registry = dict(zip(names, groups, strict=True))  # private: c10d's map holds them weakly; the mesh keeps them
+    weakref.finalize(mesh, _unregister, names)
+    return mesh
+
+
+def shard_units(module: torch.nn.Module) -> frozenset[str]:
+    """The qualified names of ``module``'s modules that FSDP gathers as units of their own: FSDP2's
+    ``fully_shard``-ed modules, and the modules FSDP (v1) wraps (``<name>._fsdp_wrapped_module``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return frozenset(name for name, m in module.named_modules()
+                     if isinstance(m, FSDPModule) or name.rpartition(".")[2] == "_fsdp_wrapped_module")
+
+
 def _is_fake_group(group: Any) -> bool:
     from torch._C._distributed_c10d import FakeProcessGroup  # private
 
-    return isinstance(group, FakeProcessGroup)
+    return isinstance(group, FakeProcessGroup) or getattr(group, "group_name", None) in _MESH_GROUPS
 
 
 def _skipping_fake_groups(collective: Any) -> Any:
@@ -102,7 +166,8 @@ def _skipping_fake_groups(collective: Any) -> Any:
 
 @contextlib.contextmanager
 def fsdp_on_fake_tensors() -> Iterator[None]:
-    """FSDP (v1) runs with a :func:`fake_process_group` on fake tensors inside; as it was outside."""
+    """FSDP (v1) with a :func:`fake_process_group`, FSDP2 with a :func:`fake_device_mesh`, run on fake tensors
+    inside; as it was outside."""
     from torch.distributed.fsdp import _flat_param  # private
 
     saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
@@ -126,4 +191,4 @@ def fsdp_on_fake_tensors() -> Iterator[None]:
             setattr(_flat_param, name, reader)
 
 
-__all__ = ["fake_copy", "fake_process_group", "fsdp_on_fake_tensors"]
+__all__ = ["fake_copy", "fake_device_mesh", "fake_process_group", "fsdp_on_fake_tensors", "shard_units"]

@@ -1,6 +1,6 @@
 """The whole step of one rank of a sharded strategy, measured on a fake twin the strategy itself shards.
 
-Under FSDP a rank holds its shards of the parameters, gradients and optimizer
+Under FSDP (v1, and FSDP2's ``fully_shard``) a rank holds its shards of the parameters, gradients and optimizer
 state, and, for a moment, each unit's gathered parameters and gradients
 (reduce-scattered in backward); how many units are gathered at once depends on
 the wrap policy, the sharding strategy and the prefetching. None of that is
@@ -14,12 +14,12 @@ measured as any step is (``measure/whole_step.py``).
 The twin (:func:`make_twin`) is a copy of the module whose parameters and buffers
 are fake tensors (``_compat/fsdp.py``'s ``fake_copy``) and whose other attributes
 are the module's own; ``wrap`` shards it with torch's fake process group of the
-run's size and this rank, whose collectives move nothing (the outputs FSDP
-allocated are all the memory a collective takes). A plan names the module's
-layers as named before wrapping; :func:`renamed` takes it to the names the
+run's size and this rank (FSDP2: a mesh of them), whose collectives move nothing
+(the outputs FSDP allocated are all the memory a collective takes). A plan names the
+module's layers as named before wrapping; :func:`renamed` takes it to the names the
 wrapping gave the same modules (FSDP puts each unit's module inside it:
-``blocks.0._fsdp_wrapped_module``). Under Lightning: ``lightning/fsdp.py``;
-without: ``ckpt_tools/fit_fsdp.py``.
+``blocks.0._fsdp_wrapped_module``; FSDP2 keeps the names). Under Lightning:
+``lightning/fsdp.py``; without: ``ckpt_tools/fit_fsdp.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ckpt_plugin._compat import (
     fake_process_group,
     fake_tensor_mode,
     fsdp_on_fake_tensors,
+    shard_units,
     tree_map,
     user_module,
 )
@@ -56,11 +57,12 @@ class Twin:
     mode: Any  # the fake-tensor mode its tensors belong to
     names: dict[str, str]  # a module's name in the module (before wrapping) -> in the twin (after)
     device: torch.device | None = None  # where the strategy runs the module (FSDP moves it there)
+    units: frozenset[str] = frozenset()  # the twin's modules gathered as units of their own (_compat.shard_units)
 
-    def unmoved(self, names: list[str]) -> bool:
-        """Whether the layers ``names`` sit where they sat once wrapped (no unit of their own between them and their
-        parent): only then can a region span several of them (``strategies.Measuring.chains``)."""
-        return all(self.names.get(n, n) == n for n in names)
+    def regions_allowed(self, names: list[str]) -> bool:
+        """Whether none of the layers ``names`` is a unit of its own: only then can a region span several of them
+        (``strategies.Measuring.chains``); it would recompute them when FSDP has resharded all but the last."""
+        return not any(self.names.get(n, n) in self.units for n in names)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -82,7 +84,7 @@ def make_twin(module: nn.Module, wrap: Callable[[nn.Module, Any], nn.Module],
         optimizers = list(optimizers_of(twin))
     after = {id(m): n for n, m in user_module(twin).named_modules()}
     names = {before[i]: after[id(copy)] for i, copy in copies.items() if i in before and id(copy) in after}
-    return Twin(twin, wrapped, optimizers, mode, names, device)
+    return Twin(twin, wrapped, optimizers, mode, names, device, shard_units(user_module(twin)))
 
 
 @dataclass(frozen=True)

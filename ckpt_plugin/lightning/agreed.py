@@ -52,7 +52,7 @@ def agreed_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
             if config.read_memory is not None:
                 plan, batch = memory_plan(trainer, pl_module, config, forward, twin)
             else:  # a layer FSDP wraps in a unit of its own runs there: no region over several
-                chains = twin is None or twin.unmoved(candidates(pl_module, config))
+                chains = twin is None or twin.regions_allowed(candidates(pl_module, config))
                 plan = plan_for(pl_module, config, forward, chains=chains)
         except Exception as err:
             if world == 1:

@@ -85,7 +85,7 @@ from ckpt_plugin.config.schema import (
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.agreed import agreed_plan
-from ckpt_plugin.lightning.fsdp import is_fsdp
+from ckpt_plugin.lightning.fsdp import plans_on_a_twin
 from ckpt_plugin.lightning.keys_changed import config_changes
 from ckpt_plugin.lightning.memory import StepWatch, check_settable, set_batch_size
 from ckpt_plugin.lightning.step import (
@@ -221,7 +221,7 @@ class ActivationCheckpointing(pl.Callback):
             check_settable(pl_module)  # before anything is planned: where the batch size would be written
         # ckpt=auto under FSDP plans here (or reads ckpt.plan), while the module is whole: ckpt.memory on
         # lightning/fsdp.py's twin. The plan names the module's layers; fit start renames it to FSDP's names.
-        before_sharding = isinstance(self.config, AutoConfig) and is_fsdp(trainer.strategy)
+        before_sharding = isinstance(self.config, AutoConfig) and plans_on_a_twin(trainer.strategy)
         try:
             _check_on(pl_module, self.config)
         except ConfigError as err:

@@ -1,5 +1,5 @@
-"""``ckpt.memory`` under Lightning's ``FSDPStrategy`` (FSDP v1): one rank's sharded step, measured on a fake twin
-(``apply/twin.py``) that the strategy shards as it will shard the module.
+"""``ckpt.memory`` under Lightning's ``FSDPStrategy`` (FSDP v1) and ``ModelParallelStrategy`` (FSDP2): one rank's
+sharded step, measured on a fake twin (``apply/twin.py``) sharded as the module will be.
 
 The strategy wraps the twin as it will wrap the module (``FSDPStrategy._setup_model``,
 private to Lightning: its wrap policy, sharding strategy, mixed precision,
@@ -9,6 +9,14 @@ sharded parameters, as Lightning builds them after wrapping; its
 ``training_step`` runs through the FSDP root, as ``FSDPStrategy.training_step``
 runs it (``memory.py``). Measured with 2 gloo processes, every rank's real step
 was within 68 B of the twin's (``tests/test_fit_fsdp.py``).
+
+FSDP2: the module shards itself, in its own ``configure_model``, with the strategy's
+``DeviceMesh`` (``self.device_mesh``). The twin's ``configure_model`` runs on a mesh of the
+same layout whose groups are fake (``_compat.fake_device_mesh``): its ``fully_shard`` calls
+shard the fake parameters as the real ones will be, and its step is the module's own
+``training_step`` (``ModelParallelStrategy`` calls it directly). What a ``configure_model``
+does that cannot run there (a collective on a group it makes itself) is a ``ConfigError``
+naming it.
 
 When: Lightning's FSDP moves the module to the device and shards it in
 ``strategy.setup``, after the callback's ``setup`` hook and before
@@ -26,7 +34,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from ckpt_plugin._compat import fake_device_mesh
 from ckpt_plugin.apply.twin import Twin, make_twin
+from ckpt_plugin.errors import ConfigError, Problem
 
 _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32,
                 "64-true": torch.float64}
@@ -39,6 +49,19 @@ def is_fsdp(strategy: Any) -> bool:
     return isinstance(strategy, FSDPStrategy)
 
 
+def is_fsdp2(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's ``ModelParallelStrategy``, under which the module shards itself with
+    FSDP2 in ``configure_model``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def plans_on_a_twin(strategy: Any) -> bool:
+    """Whether ``ckpt=auto`` plans in ``setup``, each whole step on a fake twin (FSDP v1 or FSDP2)."""
+    return is_fsdp(strategy) or is_fsdp2(strategy)
+
+
 def twin_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Twin:
     """The fake twin of ``pl_module`` (whole: before the strategy's setup), as ``trainer.strategy`` will shard it."""
     from lightning.pytorch.core.optimizer import (
@@ -48,6 +71,8 @@ def twin_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Twin:
     strategy = trainer.strategy
 
     def wrap(twin: torch.nn.Module, group: Any) -> torch.nn.Module:
+        if is_fsdp2(strategy):
+            return _configured(twin, pl_module, strategy)
         kwargs = strategy.kwargs
         strategy.kwargs = {**kwargs, "process_group": group}
         try:
@@ -64,4 +89,21 @@ def twin_of(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Twin:
                      dtype=_TRUE_DTYPES.get(str(trainer.precision)), device=strategy.root_device)
 
 
-__all__ = ["is_fsdp", "twin_of"]
+def _configured(twin: torch.nn.Module, pl_module: pl.LightningModule, strategy: Any) -> torch.nn.Module:
+    """``twin`` after the module's own ``configure_model`` ran on it with a fake mesh of the strategy's layout."""
+    twin._device_mesh = fake_device_mesh(strategy.device_mesh)  # LightningModule.device_mesh reads it
+    try:
+        twin.configure_model()
+    except Exception as err:  # a collective on a group it made itself, a tensor-parallel plan the fake group lacks
+        raise ConfigError([Problem(
+            "ckpt.mode",
+            f"ckpt=auto: {type(pl_module).__name__}.configure_model did not run on the fake twin ckpt=auto measures the sharded "
+            f"step on under {type(strategy).__name__} (a mesh of fake process groups, fake tensors): "
+            f"{type(err).__name__}: {err}",
+            "plan on one process or under DDP (a ckpt=auto run writes ckpt_plan.json) and give the file with "
+            "ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
+        )]) from err
+    return twin
+
+
+__all__ = ["is_fsdp", "is_fsdp2", "plans_on_a_twin", "twin_of"]

@@ -99,7 +99,7 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     optimizers = list(trainer.optimizers) if twin is None else twin.optimizers
     held = tuple(h for h in (strategy_held(trainer, pl_module),) if h is not None)
     steps = _twin_steps(trainer, twin, sample, held) if twin is not None and sample is not None else None
-    chains = twin is None or twin.unmoved(candidates(pl_module, config))  # each layer its own FSDP unit: no region
+    chains = twin is None or twin.regions_allowed(candidates(pl_module, config))  # a layer its own unit: no region
     said = [] if sample is None or sample.step is not None else [
         "  (the whole step measured runs the module's call and sums its output: "
         + ("its training_step steps the optimizers itself" if not pl_module.automatic_optimization else
@@ -123,7 +123,8 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
 
 def _twin_steps(trainer: pl.Trainer, twin: Twin, sample: Sample, held: tuple[Held, ...]) -> TwinSteps:
     """The whole step on ``twin``: its call through the FSDP root, and its ``training_step`` redirected through it
-    as ``FSDPStrategy.training_step`` does (``_forward_redirection``, private to Lightning)."""
+    as ``FSDPStrategy.training_step`` does (``_forward_redirection``, private to Lightning); under FSDP2 (no root
+    wrapper: ``fully_shard`` hooks the module itself) called as ``ModelParallelStrategy`` calls it."""
     def run(*args: Any, **kwargs: Any) -> Any:
         with trainer.precision_plugin.forward_context():
             return twin.wrapped(*args, **kwargs)
@@ -134,7 +135,7 @@ def _twin_steps(trainer: pl.Trainer, twin: Twin, sample: Sample, held: tuple[Hel
     def step(batch: Any) -> Any:
         # The twin shares the module's attributes: what training_step does to them is put back (contained.py).
         with contained(twin.module):
-            return step_loss(trainer, twin.module, batch, redirected)
+            return step_loss(trainer, twin.module, batch, redirected if twin.wrapped is not twin.module else None)
 
     return TwinSteps(twin, twin_sample(twin, sample, run, step), held)
 

@@ -118,16 +118,17 @@ def sharded_parameters(strategy: Any) -> str | None:
 
 
 def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
-    """The error for ckpt=auto planning under FSDP2 or DeepSpeed (every stage), else None.
+    """The error for ckpt=auto planning under DeepSpeed (every stage), else None.
 
     The profile runs the LightningModule's forward and backward on fake tensors and times layers on real
     ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): at fit
     start FSDP's root unit's parameters were flat 1-D shards; FSDP2 kept the fake all-gathered parameters
     and ran the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) took the fake
     gradients and failed in the first real backward. Under FSDPStrategy the plan is made in ``setup``,
-    before the strategy shards anything (``callback.py``). A given plan (ckpt.plan) runs no profile: allowed.
+    before the strategy shards anything (``callback.py``), and under ModelParallelStrategy before the module's
+    configure_model shards it with FSDP2. A given plan (ckpt.plan) runs no profile: allowed.
     """
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     if not isinstance(config, AutoConfig) or config.plan is not None:
         return None
@@ -136,15 +137,16 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
         name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
     if name is None:
         return None
-    if isinstance(strategy, FSDPStrategy):  # planned in setup, on the whole module (callback.py; fsdp.py's twin)
+    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):  # planned in setup (callback.py; fsdp.py's twin)
         return None
     if config.read_memory is not None:
         return ConfigError([Problem(
             "ckpt.memory",
             f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step on one "
             "rank is measured on a fake twin that the strategy shards as it shards the module, and of the sharded "
-            "strategies only Lightning's FSDPStrategy (FSDP v1) is modelled so far",
-            "under FSDPStrategy, DDP or on one device ckpt.memory plans the whole step; here plan the activations "
+            "strategies only Lightning's FSDPStrategy (FSDP v1) and ModelParallelStrategy (FSDP2) are modelled so far",
+            "under FSDPStrategy, ModelParallelStrategy, DDP or on one device ckpt.memory plans the whole step; here "
+            "plan the activations "
             "on one process (ckpt.budget, whose run writes ckpt_plan.json) and give that file with "
             "ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
         )])
