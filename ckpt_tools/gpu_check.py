@@ -26,7 +26,7 @@ without CUDA (found by :func:`cuda_tests`); ``ckpt-bench`` on the example GPT at
 size that keeps a GPU busy (:data:`GPU_GPT`, bf16-mixed) for ``none``, ``full``,
 ``selective`` and ``offload``; ``ckpt-bench --offload`` (:data:`OFFLOAD_BUDGET`: offload's
 pool, overlap and planning, issue #41); ``ckpt.memory`` with ``ckpt.batch=max`` (``bench fit``)
-and under Lightning's FSDP on the one GPU (``fsdp fit``: :data:`FSDP_FIT`); then ``auto`` at 0.5
+and under Lightning's FSDP and FSDP2 on the one GPU (``fsdp fit``: :data:`FSDP_FIT`, :data:`FSDP2_FIT`); then ``auto`` at 0.5
 in a run of its own (planning on a new machine may be slow: it must not cost the others); last, with what is left of
 the deadline, a core subset of CPU tests (:data:`CORE_TESTS`) on that torch.
 Offload's overlap is read off the bench: its step time against ``none``'s and the
@@ -91,7 +91,7 @@ TABLE_MODES = (*BENCH_MODES, *AUTO_MODES)
 
 # Seconds per step, each also cut to what is left of --deadline (the whole check's limit).
 LIMITS = {"install": 60, "env": 60, "bandwidth": 60, "cuda tests": 120, "bench": 200, "bench auto": 150,
-          "bench fit": 150, "bench offload": 280, "fsdp fit": 120, "core tests": 150, "tests": 150}
+          "bench fit": 150, "bench offload": 280, "fsdp fit": 200, "core tests": 150, "tests": 150}
 # ckpt.memory with ckpt.batch=max on the GPU (issue #34): halfway between the least whole step and none's, a GPT
 # a quarter of GPU_GPT's depth (the chosen batch runs without checkpointing too, for samples per second).
 FIT_GPT = "n_layer=4,n_embd=2048,n_head=16,block_size=1024,batch_size=8"
@@ -101,6 +101,9 @@ FIT = "0.5"
 # limit between the least whole step (~1.2 GB, estimated) and none's (~5 GB).
 FSDP_FIT = {"name": "fsdp", "optimizer": "adamw", "memory": "2.5GiB", "precision": "bf16-mixed", "data_batch": 8,
             "gpt": {"n_layer": 4, "n_embd": 1024, "n_head": 16, "block_size": 1024}}
+# The same GPT under FSDP2 (ModelParallelStrategy, a world of one: the example's configure_model runs fully_shard on
+# the twin's mesh of fake groups) with ckpt.memory=device (issue #43): the allocator's peak against the device.
+FSDP2_FIT = {**FSDP_FIT, "name": "fsdp2", "strategy": "fsdp2", "memory": "device"}
 # Offload that hides (issue #41): ckpt-bench --offload at this budget on GPU_GPT: every block offloaded against none
 # (the pool's host allocations per step, the copies' share hidden), the blocks ckpt=auto offloads there, and
 # ckpt=auto with and without offload at that memory, predicted against measured.
@@ -317,13 +320,12 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     for name, ids, workers in test_groups[:1]:
         ran += _tests(run, name, ids, workers)
     fit = engine = None
-    fsdp = None
+    fsdp = fsdp2 = None
     for name, modes in bench_groups:
-        if name == "fsdp fit":  # Lightning's FSDPStrategy on the one GPU (tests/fit_fsdp_worker.py --cuda)
+        if name == "fsdp fit":  # FSDPStrategy, then FSDP2, on the one GPU (tests/fit_fsdp_worker.py --cuda)
             run.run(name, [sys.executable, str(ROOT / "tests" / "fit_fsdp_worker.py"), str(work / "fsdp"),
-                           json.dumps([FSDP_FIT]), "--cuda"], "bench.log")
-            written = work / "fsdp" / FSDP_FIT["name"] / "rank0.json"
-            fsdp = json.loads(written.read_text()) if written.is_file() else None
+                           json.dumps([FSDP_FIT, FSDP2_FIT]), "--cuda"], "bench.log")
+            fsdp, fsdp2 = (_rank_zero(work / "fsdp" / r["name"]) for r in (FSDP_FIT, FSDP2_FIT))
             continue
         sub = work / name.replace(" ", "_")
         command = _bench_command(modes, sub, args.dry_run)
@@ -369,6 +371,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "offload_engine": engine,
         "fit": fit,
         "fsdp_fit": fsdp,
+        "fsdp2_fit": fsdp2,
     }
     results["seconds"] = time.monotonic() - t0
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -396,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "may take 20 s more to end (default: 540, so that it ends within 10 minutes, the device tool's per-call limit)")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist processes for the core subset")
     return parser
+
+
+def _rank_zero(folder: Path) -> dict[str, Any] | None:
+    """What rank 0 of a fit_fsdp_worker run wrote, or None where it wrote nothing."""
+    written = folder / "rank0.json"
+    return json.loads(written.read_text()) if written.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,23 +126,30 @@ def summary(results: dict[str, Any], table_modes: tuple[str, ...], fit: tuple[st
                   f"| {'yes' if (fit.get('cuda_allocated') or 0) <= fit['limit'] else 'NO'} |", "",
                   "The allocator's overhead is max_memory_allocated against MemTracker's total, and what it reserved "
                   "against what it allocated."]
-    lines += ["", "## Under FSDP (Lightning's FSDPStrategy, one GPU)", ""]
-    fsdp = results.get("fsdp_fit")
-    if not fsdp:
-        lines.append("Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run.")
-    elif fsdp.get("error"):
-        lines.append(f"Failed: {_cell(': '.join(fsdp['error']))}")
-    else:
-        cuda_peak = fsdp.get("cuda_peak")
-        lines += [f"`tests/fit_fsdp_worker.py --cuda`: GPT({fsdp_fit['gpt']}), batch {fsdp_fit['data_batch']}, "
-                  f"{fsdp_fit['precision']}, AdamW, ckpt.memory={fsdp_fit['memory']}; the whole step predicted on the "
-                  "fake twin the strategy shards, measured at the second batch.", "",
-                  "| limit (MiB) | wrapped | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
-                  "| allocated <= limit |", "|---:|---:|---:|---:|---:|---|",
-                  f"| {_mib(fsdp.get('limit'))} | {len(fsdp['wrapped'])} | {_mib(fsdp['predicted'])} "
-                  f"| {_mib(fsdp['measured'])} | {_mib(cuda_peak)} "
-                  f"| {'yes' if cuda_peak is not None and cuda_peak <= (fsdp.get('limit') or 0) else 'NO'} |"]
+    lines += _sharded(results, "fsdp_fit", "Under FSDP (Lightning's FSDPStrategy, one GPU)", fsdp_fit)
+    lines += _sharded(results, "fsdp2_fit", "Under FSDP2 (ModelParallelStrategy, a world of one)",
+                      {**fsdp_fit, "memory": "device"})
     return "\n".join(lines) + "\n"
+
+
+def _sharded(results: dict[str, Any], key: str, title: str, run: dict[str, Any]) -> list[str]:
+    """The section of one sharded fit step (tests/fit_fsdp_worker.py --cuda): ``results[key]`` is its rank's
+    record, ``run`` the run it was given."""
+    lines = ["", f"## {title}", ""]
+    fsdp = results.get(key)
+    if not fsdp:
+        return [*lines, "Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run."]
+    if fsdp.get("error"):
+        return [*lines, f"Failed: {_cell(': '.join(fsdp['error']))}"]
+    cuda_peak = fsdp.get("cuda_peak")
+    return [*lines, f"`tests/fit_fsdp_worker.py --cuda`: GPT({run['gpt']}), batch {run['data_batch']}, "
+            f"{run['precision']}, AdamW, ckpt.memory={run['memory']}; the whole step predicted on the "
+            "fake twin sharded as the module is, measured at the second batch.", "",
+            "| limit (MiB) | wrapped | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
+            "| allocated <= limit |", "|---:|---:|---:|---:|---:|---|",
+            f"| {_mib(fsdp.get('limit'))} | {len(fsdp['wrapped'])} | {_mib(fsdp['predicted'])} "
+            f"| {_mib(fsdp['measured'])} | {_mib(cuda_peak)} "
+            f"| {'yes' if cuda_peak is not None and cuda_peak <= (fsdp.get('limit') or 0) else 'NO'} |"]
 
 
 __all__ = ["offload_overlap", "skip_reasons", "summary"]

@@ -211,3 +211,16 @@ def test_the_fsdp_fit_table_reads_the_worker_s_record(dry) -> None:
     assert "| 4.0 | 1 | 3.0 | 3.0 | 5.0 | NO |" in table  # MiB; the allocator's peak over the limit: NO
     table = summary({**results, "dry_run": False, "fsdp_fit": {**record, "cuda_peak": 4 * 2**20}})
     assert "| 4.0 | 1 | 3.0 | 3.0 | 4.0 | yes |" in table
+
+
+def test_the_fsdp2_fit_has_a_table_of_its_own(dry) -> None:
+    """ckpt.memory=device under FSDP2 on the one GPU (issue #43): its rank's record in a section of its own."""
+    from ckpt_tools.gpu_check import FSDP2_FIT, summary
+
+    _, results, said = dry
+    assert results["fsdp2_fit"] is None and FSDP2_FIT["strategy"] == "fsdp2" and FSDP2_FIT["memory"] == "device"
+    assert "## Under FSDP2 (ModelParallelStrategy, a world of one)\n\nNot run in a dry run." in said
+    record = {"wrapped": [], "predicted": 3 * 2**20, "measured": 3 * 2**20, "limit": 8 * 2**20, "cuda_peak": 4 * 2**20}
+    table = summary({**results, "dry_run": False, "fsdp2_fit": record})
+    section = table.split("## Under FSDP2")[1]
+    assert "ckpt.memory=device" in section and "| 8.0 | 0 | 3.0 | 3.0 | 4.0 | yes |" in section
