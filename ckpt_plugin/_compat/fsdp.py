@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt_plugin._compat.ops import beneath_dispatch_modes
+
 # What FSDP (v1) calls (``_runtime_utils``, ``_flat_param``, ``fully_sharded_data_parallel``), and their older names.
 _COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                 "_all_gather_base", "_reduce_scatter_base", "all_reduce", "all_gather", "broadcast", "barrier")
@@ -127,9 +129,8 @@ def fake_device_mesh(like: Any) -> Any:
     """A ``DeviceMesh`` with ``like``'s layout, dimension names and device type, this rank where it is in ``like``,
     each dimension's group fake (the collectives in :func:`fsdp_on_fake_tensors` move nothing on it)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.utils._python_dispatch import _disable_current_modes  # private
 
-    with _disable_current_modes():  # the mesh's own tensor of ranks is read for its layout: never fake
+    with beneath_dispatch_modes():  # the mesh's own tensor of ranks is read for its layout: never fake
         coordinate = like.get_coordinate()
         groups = [_registered_fake_group(coordinate[dim], size) for dim, size in enumerate(like.mesh.shape)]
         mesh = DeviceMesh(like.device_type, like.mesh, mesh_dim_names=like.mesh_dim_names, _init_backend=False)

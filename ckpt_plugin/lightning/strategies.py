@@ -27,6 +27,7 @@ from ckpt_plugin._compat import checkpoint_wrapper_type
 from ckpt_plugin.engine.deepspeed import configure
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig
 from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.lightning.fsdp import plans_on_a_twin
 
 
 def _is_deepspeed(strategy: Any) -> bool:
@@ -108,9 +109,9 @@ def sharded_parameters(strategy: Any) -> str | None:
     """The strategy's class name where the LightningModule's parameters are sharded between steps (FSDP,
     FSDP2, DeepSpeed ZeRO-3): a forward of the module outside the strategy's own call meets shards, and
     one on fake tensors leaves fake tensors in the strategy's state. Else None."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
+    if plans_on_a_twin(strategy):
         return type(strategy).__name__
     if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
         return f"{type(strategy).__name__} (ZeRO stage 3)"
@@ -128,7 +129,7 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
     before the strategy shards anything (``callback.py``), and under ModelParallelStrategy before the module's
     configure_model shards it with FSDP2. A given plan (ckpt.plan) runs no profile: allowed.
     """
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
     if not isinstance(config, AutoConfig) or config.plan is not None:
         return None
@@ -137,7 +138,7 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
         name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
     if name is None:
         return None
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):  # planned in setup (callback.py; fsdp.py's twin)
+    if plans_on_a_twin(strategy):  # planned in setup, before anything is sharded (callback.py; fsdp.py's twin)
         return None
     if config.read_memory is not None:
         return ConfigError([Problem(
