@@ -200,3 +200,28 @@ def test_a_real_model_on_a_fake_batch_is_cached_as_a_fake_one():
     assert 0 < all_real.calls < 20  # a step count per BatchNorm, the fc weight's transpose
     assert FakeTensorMode.cache_bypasses["non-fake tensor"] - bypassed == all_real.calls
     assert FakeTensorMode.cache_misses == misses
+
+
+def test_a_measurement_sets_the_heap_aside_for_the_collector_and_puts_it_back():
+    """Inside a measurement the objects alive before it are frozen out of the collector's passes (gc.freeze: a
+    full pass walked all of torch's and Lightning's); after it they are collectable again. A heap the process
+    froze itself stays as the process left it."""
+    model = small_gpt()
+    x, _ = gpt_batch(model)
+    frozen: list[int] = []
+    model.blocks[0].register_forward_hook(lambda *_: frozen.append(gc.get_freeze_count()))
+
+    def measure() -> None:
+        with on_fake_tensors(model, "a test"):
+            model(x).sum().backward()
+
+    assert gc.get_freeze_count() == 0
+    measure()
+    assert frozen[0] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # the process's own
+    try:
+        own = gc.get_freeze_count()
+        measure()
+        assert frozen[1] == own and gc.get_freeze_count() == own
+    finally:
+        gc.unfreeze()
