@@ -2,18 +2,22 @@
 
     python -m ckpt_tools.fit_fsdp --quick                     # GPT and ResNet, 2 layers each, AdamW, 2 ranks
     python -m ckpt_tools.fit_fsdp --batch --out fsdp.json     # + five zoo models, AdamW and SGD, the batch search
+    python -m ckpt_tools.fit_fsdp --strategy fsdp,fsdp2       # both FSDPs, one launch
 
 ``fit_check``'s checks (the same models, optimizers, limits and tables), each on
-``--world`` gloo processes on the CPU, the model sharded by FSDP (v1, FULL_SHARD,
-``use_orig_params=True``) with one unit per layer ``ckpt.layers`` selects:
+``--world`` gloo processes on the CPU, the model sharded with one unit per layer
+``ckpt.layers`` selects, by each ``--strategy``: ``fsdp`` (v1, FULL_SHARD,
+``use_orig_params=True``; Lightning's ``FSDPStrategy``) or ``fsdp2`` (``fully_shard`` on
+each layer, then on the whole model, over a 1-D mesh of the ranks: what a
+``configure_model`` does under Lightning's ``ModelParallelStrategy``):
 
 1. rank 0 measures the whole step on the fake twin that FSDP shards as rank 0
-   (``ckpt_plugin/apply/twin.py``: fake tensors, a fake process group), without
+   (``ckpt_plugin/apply/twin.py``: fake tensors, a fake process group; FSDP2: a mesh of them), without
    checkpointing (W0) and with ``ckpt=auto``'s least plan (Wmin); the limits are
    ``Wmin + f * (W0 - Wmin)``;
 2. for each limit rank 0 plans (``plan_for`` on the whole module, every whole
    step on the twin), every rank installs that plan on a fresh copy sharded by
-   real FSDP over gloo, under the names FSDP gave the layers, and measures its real
+   real FSDP over gloo, under the names FSDP gave the layers (FSDP2 keeps them), and measures its real
    whole step (MemTracker, the second of two steps); the row's measured peak is
    the largest of the ranks';
 3. ``--batch``: at the middle limit, ``ckpt.batch=max``'s search on the twin
@@ -37,7 +41,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from ckpt_plugin._compat import fake_device_mesh
 from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
 from ckpt_plugin.apply.install import install_plan
 from ckpt_plugin.apply.plan import candidates, plan_for
@@ -63,12 +68,15 @@ from ckpt_tools.fit_check import (
     chosen,
     least_plan,
     options_of,
+    parse_list,
     subject,
     tables,
 )
 from ckpt_tools.workloads import peak_growth
 
-__all__ = ["main", "rooted", "sharded", "through"]
+__all__ = ["STRATEGIES", "Sharding", "main", "rooted", "sharded", "through"]
+
+STRATEGIES = {"fsdp": "FSDP (v1, FULL_SHARD)", "fsdp2": "FSDP2 (fully_shard on each layer and the root)"}
 
 
 def through(root: nn.Module, inner: nn.Module, call: Callable[[], Any]) -> Any:
@@ -100,27 +108,52 @@ def rooted(sample: Sample, root: nn.Module, inner: nn.Module) -> Sample:
                    step=None if step is None else (lambda batch: through(root, inner, lambda: step(batch))))
 
 
-def _policy(model: nn.Module, names: list[str]) -> Any:
+def _policy(model: nn.Module, names: Sequence[str]) -> Any:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     return ModuleWrapPolicy({type(model.get_submodule(n)) for n in names})  # one unit per selected layer
 
 
-def _fsdp(model: nn.Module, group: Any, policy: Any) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+@dataclass(frozen=True)
+class Sharding:
+    """How a copy of the model is sharded: ``strategy`` (a key of :data:`STRATEGIES`), a unit per layer ``names``;
+    ``mesh`` the run's ``DeviceMesh`` (FSDP2)."""
 
-    return FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy,
-                                    device_id=torch.device("cpu"), use_orig_params=True)
+    strategy: str
+    names: tuple[str, ...]
+    mesh: Any = None
+
+    def wrap(self, model: nn.Module, group: Any = None) -> nn.Module:
+        """The root ``model`` is run through: FSDP (v1) around it over ``group`` (None: the default one), or ``model``
+        itself, ``fully_shard``-ed on the mesh (a fake one of its layout where ``group`` is given: the twin's)."""
+        if self.strategy == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=_policy(model, self.names),
+                                            device_id=torch.device("cpu"), use_orig_params=True)
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.mesh if group is None else fake_device_mesh(self.mesh)
+        for name in self.names:
+            fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def sample(self, subject: Subject, model: nn.Module, root: nn.Module) -> Sample:
+        """``subject``'s sample on ``model``, run as the strategy runs it: through FSDP's root (FSDP2 hooks the
+        model itself)."""
+        sample = subject.sample(model)
+        return sample if root is model else rooted(sample, root, model)
 
 
-def sharded(subject: Subject, pristine: nn.Module, plan: WrapPlan, optimizer: str, policy: Any,
+def sharded(subject: Subject, pristine: nn.Module, plan: WrapPlan, optimizer: str, sharding: Sharding,
             batch: int | None = None) -> StepSplit:
-    """This rank's real whole step: a copy of ``pristine`` sharded by FSDP over the default group, ``plan``
-    installed under the names FSDP gave its layers, a fresh optimizer, at ``batch`` rows (None: the sample's)."""
+    """This rank's real whole step: a copy of ``pristine`` sharded over the default group, ``plan`` installed under
+    the names the sharding gave its layers, a fresh optimizer, at ``batch`` rows (None: the sample's)."""
     model = copy.deepcopy(pristine)
     before = dict(model.named_modules())
-    root = _fsdp(model, None, policy)
-    sample = rooted(subject.sample(model), root, model)
+    root = sharding.wrap(model)
+    sample = sharding.sample(subject, model, root)
     with cache_warnings_silenced():
         install_plan(model, renamed(plan, names_after_wrapping(before, model)))
         opt = OPTIMIZERS[optimizer](root.parameters())
@@ -141,26 +174,28 @@ def _largest(value: int) -> int:
     return max(every)
 
 
-def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], batch: bool
-                  ) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    """``fit_check.check_model`` under FSDP: on every rank, each rank's real step against rank 0's prediction."""
+def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], batch: bool, strategy: str,
+                  mesh: Any = None) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """``fit_check.check_model`` under ``strategy``: on every rank, each rank's real step against rank 0's
+    prediction."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pristine = subject.build()
     model = copy.deepcopy(pristine)
     names = candidates(model, make_config(mode="auto", layers=subject.layers, budget="min"))
-    policy = _policy(model, names)
+    sharding = Sharding(strategy, tuple(names), mesh)
     sample = subject.sample(model)
     steps = one = None
     chains = True
-    if rank == 0:  # the twin: rank 0's shards, as FSDP will cut them
-        twin = make_twin(model, lambda m, group: _fsdp(m, group, policy),
-                         lambda m: [OPTIMIZERS[optimizer](m.parameters())], rank=0, world_size=world)
+    if rank == 0:  # the twin: rank 0's shards, as the strategy will cut them
+        twin = make_twin(model, sharding.wrap, lambda m: [OPTIMIZERS[optimizer](m.parameters())], rank=0,
+                         world_size=world)
         chains = twin.regions_allowed(names)  # False: a unit per layer, no region over several (Measuring.chains)
-        inner = rooted(subject.sample(twin.module), twin.wrapped, twin.module)
+        inner = sharding.sample(subject, twin.module, twin.wrapped)
         steps = TwinSteps(twin, twin_sample(twin, inner, inner.run, inner.step))
         without, least = steps.of(WrapPlan()), steps.of(least_plan(model, names, sample.forward(), chains))
-        one = {"model": subject.name, "optimizer": optimizer, "sample_batch": sample.size, "w0": without.peak,
-               "wmin": least.peak, "w0_split": str(without), "wmin_split": str(least), "world_size": world}
+        one = {"model": subject.name, "optimizer": optimizer, "strategy": strategy, "sample_batch": sample.size,
+               "w0": without.peak, "wmin": least.peak, "w0_split": str(without), "wmin_split": str(least),
+               "world_size": world}
     one = _shared(one)
     limits = [one["wmin"] + round(f * (one["w0"] - one["wmin"])) for f in fractions]
     rows = []
@@ -176,20 +211,21 @@ def check_sharded(subject: Subject, optimizer: str, fractions: Sequence[float], 
                     "options": options_of(planned, names)}
         data = _shared(data)
         plan = plan_from_dict(data["plan"], pristine, "rank 0's plan")
-        measured = sharded(subject, pristine, plan, optimizer, policy).peak
+        measured = sharded(subject, pristine, plan, optimizer, sharding).peak
         every: list[Any] = [None] * world
         dist.all_gather_object(every, measured)
         predicted = data["predicted"]
-        rows.append({"model": subject.name, "optimizer": optimizer, "fraction": fraction, "limit": limit,
+        rows.append({"model": subject.name, "optimizer": optimizer, "strategy": strategy, "fraction": fraction,
+                     "limit": limit,
                      "plan": data["options"], "predicted": predicted, "measured": max(every), "ranks": every,
                      "fits": max(every) <= limit, "ratio": predicted / max(every),
                      "within": all(abs(predicted / m - 1) <= TOLERANCE for m in every), "planning_s": seconds})
-    found = check_batch(subject, pristine, optimizer, names, policy, limits[len(limits) // 2], steps, sample,
+    found = check_batch(subject, pristine, optimizer, names, sharding, limits[len(limits) // 2], steps, sample,
                         _shared(chains)) if batch else None
     return one, rows, found
 
 
-def check_batch(subject: Subject, pristine: nn.Module, optimizer: str, names: list[str], policy: Any, limit: int,
+def check_batch(subject: Subject, pristine: nn.Module, optimizer: str, names: list[str], sharding: Sharding, limit: int,
                 steps: TwinSteps | None, sample: Sample, chains: bool) -> dict[str, Any]:
     """``ckpt.batch=max``'s search on rank 0's twin, then real sharded steps at every size on every rank."""
     model = copy.deepcopy(pristine)
@@ -206,11 +242,12 @@ def check_batch(subject: Subject, pristine: nn.Module, optimizer: str, names: li
     for b in range(1, bound + 1):
         plan = _shared(plan_to_dict(least_plan(model, names, sample.forward(b), chains), model)
                        if dist.get_rank() == 0 else None)
-        real[b] = _largest(sharded(subject, pristine, plan_from_dict(plan, pristine), optimizer, policy, b).peak)
+        real[b] = _largest(sharded(subject, pristine, plan_from_dict(plan, pristine), optimizer, sharding, b).peak)
         if real[b] > limit:
             break
         largest = b
-    return {"model": subject.name, "optimizer": optimizer, "limit": limit, "sample_batch": sample.size,
+    return {"model": subject.name, "optimizer": optimizer, "strategy": sharding.strategy, "limit": limit,
+            "sample_batch": sample.size,
             "chosen": chosen, "exhaustive": largest, "equal": chosen == largest, "search_s": seconds,
             "rss_growth": grown, "tried": tried, "real": real, "exhaustive_s": time.perf_counter() - start,
             "bounded": largest == bound}
@@ -222,19 +259,26 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
     torch.set_num_threads(1)
     steps, rows, batches = [], [], []
     try:
+        mesh = None
+        if "fsdp2" in args["strategies"]:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # HF's config notes, FSDP's fake-tensor data_ptr note: known here
-            for name in args["models"]:
-                s = subject(name, args["quick"])
-                for optimizer in args["optimizers"]:
-                    t0 = time.perf_counter()
-                    one, limits, found = check_sharded(s, optimizer, args["fractions"], args["batch"])
-                    steps.append(one)
-                    rows += limits
-                    batches += [found] if found else []
-                    if rank == 0:
-                        print(f"fit_fsdp: {name} {optimizer}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                              flush=True)
+            for strategy in args["strategies"]:
+                for name in args["models"]:
+                    s = subject(name, args["quick"])
+                    for optimizer in args["optimizers"]:
+                        t0 = time.perf_counter()
+                        one, limits, found = check_sharded(s, optimizer, args["fractions"], args["batch"], strategy,
+                                                           mesh)
+                        steps.append(one)
+                        rows += limits
+                        batches += [found] if found else []
+                        if rank == 0:
+                            print(f"fit_fsdp: {strategy} {name} {optimizer}: {time.perf_counter() - t0:.1f} s",
+                                  file=sys.stderr, flush=True)
         if rank == 0:
             Path(out).write_text(json.dumps({"steps": steps, "limits": rows, "batch": batches}, default=str))
     finally:
@@ -251,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = add_arguments(argparse.ArgumentParser(prog="python -m ckpt_tools.fit_fsdp",
                                                    description=__doc__.split("\n")[0]))
     parser.add_argument("--world", type=int, default=2, help="gloo processes (ranks); default 2")
+    parser.add_argument("--strategy", default="fsdp",
+                        help=f"comma-separated subset of {', '.join(STRATEGIES)}, each run in the same launch "
+                             "(default: fsdp)")
     return parser
 
 
@@ -260,17 +307,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.world < 2:
         parser.error(f"--world={args.world}: at least 2 ranks (one rank shards nothing; fit_check covers it)")
     subjects, optimizers, fractions = chosen(args, parser)  # an unknown name: the parser's error, before any rank
+    strategies = parse_list(args.strategy, list(STRATEGIES), "--strategy", parser)
     models = [s.name for s in subjects]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fsdp.json"
         settings = {"models": models, "optimizers": optimizers, "fractions": fractions, "batch": args.batch,
-                    "quick": args.quick}
-        mp.spawn(_rank, args=(args.world, _free_port(), settings, str(out)), nprocs=args.world)
+                    "quick": args.quick, "strategies": strategies}
+        # The ranks are forked from a server that imported this module (torch, Lightning, the examples) once,
+        # not started bare: each would import them again (seconds per rank on 2 CPU cores).
+        mp.get_context("forkserver").set_forkserver_preload([__name__])  # read when the server starts
+        mp.start_processes(_rank, args=(args.world, _free_port(), settings, str(out)), nprocs=args.world,
+                           start_method="forkserver")
         result = json.loads(out.read_text())
     total = time.perf_counter() - started
-    print(f"FSDP (v1, FULL_SHARD), {args.world} gloo ranks; measured: the largest rank's real step\n")
-    print(tables(result["steps"], result["limits"], result["batch"]))
+    for strategy in strategies:
+        def of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [r for r in rows if r["strategy"] == strategy]
+
+        print(f"{STRATEGIES[strategy]}, {args.world} gloo ranks; measured: the largest rank's real step\n")
+        print(tables(of(result["steps"]), of(result["limits"]), of(result["batch"])) + "\n")
     print(f"\n{len(result['limits'])} limits, {len(result['batch'])} batch searches, {total:.0f} s")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

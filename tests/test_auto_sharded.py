@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 WORKER = Path(__file__).with_name("auto_sharded_worker.py")
 REFUSED = (
@@ -52,8 +51,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
                         "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps(runs)], check=False,
-                          capture_output=True, text=True, env=env, cwd=out.parent, timeout=300)
+    proc = warm_python.run([str(WORKER), str(out), json.dumps(runs)], env=env, cwd=out.parent, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out
 

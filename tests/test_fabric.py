@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import warm_python
 from lightning.fabric import Fabric
 from torch import nn
 
@@ -202,8 +202,7 @@ def _ddp_worker(out: Path) -> None:
 
 def test_fabric_ddp_two_processes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "RANK", "WORLD_SIZE"))}
-    proc = subprocess.run([sys.executable, __file__, "ddp", str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).parents[1], timeout=300)
+    proc = warm_python.run([__file__, "ddp", str(tmp_path)], env=env, cwd=Path(__file__).parents[1], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:

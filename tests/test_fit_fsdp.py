@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from torch import nn
 
 from ckpt_plugin._compat import fake_copy, fake_tensor_mode, is_fake
@@ -48,8 +47,7 @@ GIVEN = {"name": "given", "optimizer": "adamw", "plan": "adamw_mid"}  # adamw_mi
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fit_fsdp") / "run"
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps([*RUNS, GIVEN])], check=False,
-                          capture_output=True, text=True, env=env, cwd=out.parent, timeout=600)
+    proc = warm_python.run([str(WORKER), str(out), json.dumps([*RUNS, GIVEN])], env=env, cwd=out.parent, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (out / "output.txt").write_text(proc.stdout + proc.stderr)
     return out

@@ -1,9 +1,9 @@
-"""``python -m ckpt_tools.fit_fsdp``: under FSDP (2 gloo ranks), ckpt.memory's plan, predicted on rank 0's fake
-twin, runs a real sharded whole step within its limit on every rank; ckpt.batch=max's batch is the one real
+"""``python -m ckpt_tools.fit_fsdp``: under FSDP and FSDP2 (2 gloo ranks), ckpt.memory's plan, predicted on rank 0's
+fake twin, runs a real sharded whole step within its limit on every rank; ckpt.batch=max's batch is the one real
 sharded steps at every size find.
 
-One run of the tool's ``main`` (the quick ResNet: BatchNorm's buffers, a unit per Bottleneck; the middle limit;
-the batch search), its JSON read. Bytes are exact; timings are never asserted.
+One run of the tool's ``main`` (both strategies in one launch; the quick ResNet: BatchNorm's buffers, a unit per
+Bottleneck; the middle limit; the batch search), its JSON read. Bytes are exact; timings are never asserted.
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ from ckpt_tools.fit_fsdp import main, through
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
     out = tmp_path_factory.mktemp("fit_fsdp") / "fit.json"
-    status = main(["--quick", "--models", "resnet", "--fractions", "0.5", "--batch", "--out", str(out)])
+    status = main(["--quick", "--models", "resnet", "--fractions", "0.5", "--batch", "--strategy", "fsdp,fsdp2",
+                   "--out", str(out)])
     return status, json.loads(out.read_text())
 
 
-def test_every_rank_runs_the_plan_within_its_limit_as_predicted(checked) -> None:
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_every_rank_runs_the_plan_within_its_limit_as_predicted(checked, strategy: str) -> None:
     status, found = checked
-    [row] = found["limits"]
+    [row] = [r for r in found["limits"] if r["strategy"] == strategy]
     assert found["world_size"] == 2 and len(row["ranks"]) == 2 and row["measured"] == max(row["ranks"])
-    step = found["steps"][0]
+    [step] = [s for s in found["steps"] if s["strategy"] == strategy]
     assert step["wmin"] < row["limit"] < step["w0"]  # the middle limit needs checkpointing
     for measured in row["ranks"]:
         assert measured <= row["limit"], row
@@ -37,9 +39,10 @@ def test_every_rank_runs_the_plan_within_its_limit_as_predicted(checked) -> None
     assert status == 0
 
 
-def test_the_batch_search_on_the_twin_finds_what_real_sharded_steps_find(checked) -> None:
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_the_batch_search_on_the_twin_finds_what_real_sharded_steps_find(checked, strategy: str) -> None:
     _, found = checked
-    [row] = found["batch"]
+    [row] = [r for r in found["batch"] if r["strategy"] == strategy]
     real = {int(b): peak for b, peak in row["real"].items()}
     assert all(real[b] <= row["limit"] for b in range(1, row["exhaustive"] + 1)), row
     assert real[row["exhaustive"] + 1] > row["limit"], row
@@ -67,3 +70,9 @@ def test_one_rank_is_refused_by_the_parser(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--world", "1"])
     assert "--world=1: at least 2 ranks (one rank shards nothing; fit_check covers it)" in capsys.readouterr().err
+
+
+def test_an_unknown_strategy_is_refused_naming_the_valid_ones(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--strategy", "fsdp3"])
+    assert "--strategy: 'fsdp3' is not one of them; valid, closest first: fsdp, fsdp2" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import warm_python
 
 from ckpt_examples.gpt import GPT
 from ckpt_examples.resnet import ResNet
@@ -237,14 +238,11 @@ def test_under_ddp_rank_zero_plans_the_batch_and_every_rank_fits_with_the_bucket
     gradient buckets counted in the prediction, and each rank's measured step under the limit as predicted."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     worker = Path(__file__).with_name("fit_ddp_worker.py")
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path / "run")], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=400, check=False)
+    proc = warm_python.run([str(worker), str(tmp_path / "run")], env=env, cwd=tmp_path, timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     zero, one = (json.loads((tmp_path / "run" / f"rank{r}.json").read_text()) for r in range(2))

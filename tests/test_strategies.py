@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import warm_python
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 from torch import nn
 
@@ -54,8 +53,7 @@ def launch(runs: dict[str, tuple[str, list[str]]], out: Path, returncode: int = 
     """The worker's output; ``returncode``: the exit code expected (138: stopped by Preemption on SIGUSR1)."""
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), json.dumps(runs)], check=False,
-                          capture_output=True, text=True, env=env, cwd=out.parent, timeout=600)
+    proc = warm_python.run([str(WORKER), str(out), json.dumps(runs)], env=env, cwd=out.parent, timeout=600)
     output = proc.stdout + proc.stderr
     finished = "\n".join(line for line in output.splitlines() if line.startswith("[dist_worker]"))
     if proc.returncode != returncode:
