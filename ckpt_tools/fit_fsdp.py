@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from ckpt_examples.sharding import shard_blocks
 from ckpt_plugin._compat import fake_device_mesh
 from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
 from ckpt_plugin.apply.install import install_plan
@@ -133,12 +134,8 @@ class Sharding:
 
             return FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=_policy(model, self.names),
                                             device_id=torch.device("cpu"), use_orig_params=True)
-        from torch.distributed.fsdp import fully_shard
-
         mesh = self.mesh if group is None else fake_device_mesh(self.mesh)
-        for name in self.names:
-            fully_shard(model.get_submodule(name), mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_blocks(model, [model.get_submodule(name) for name in self.names], mesh)  # as the examples' configure_model
         return model
 
     def sample(self, subject: Subject, model: nn.Module, root: nn.Module) -> Sample:
