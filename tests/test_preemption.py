@@ -9,6 +9,7 @@ interrupted (dropout on: the random streams come back through ``ResumableRNG``).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -226,3 +227,50 @@ def test_after_a_failed_fit_signals_reach_the_handler_that_was_there_before(tmp_
     finally:
         signal.signal(signal.SIGUSR1, before)
 
+
+
+def _scontrol(bin_dir: Path, body: str) -> None:
+    """An ``scontrol`` first on PATH: what SLURM's own does in a race that cannot be timed from a test."""
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+
+
+@pytest.mark.parametrize("launcher", ["scontrol", "submitit"])
+def test_scontrol_ended_by_the_requeues_own_sigterm_is_a_requeue(tmp_path: Path, monkeypatch, caplog, launcher) -> None:
+    """``scontrol requeue`` runs inside the job, so SLURM's SIGTERM of the requeue it took can end it first (seen in
+    CI: submitit's check_call raised with -15, the job started again). A requeue, not a failure; a refusal stays one."""
+    import submitit
+    from submitit.core.job_environment import SignalHandler
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    from ckpt_plugin.runs import slurm
+
+    _scontrol(tmp_path / "bin", "kill -TERM $$")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    job = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1"}
+    for key, value in {**job, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "vm"}.items():
+        monkeypatch.setenv(key, value)
+    preemption = Preemption()
+    if launcher == "submitit":  # submitit's real handler, as its job script installs it
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        delayed = submitit.helpers.DelayedSubmission(submitit.helpers.FunctionSequence())  # has .checkpoint
+        delayed.set_timeout(60, 3)
+        paths = submitit.core.utils.JobPaths(tmp_path / "jobs", job_id="7")
+        paths.folder.mkdir(parents=True)
+        handler = SignalHandler(SlurmJobEnvironment(), paths, delayed)
+        preemption._previous[signal.SIGUSR2] = handler.checkpoint_and_try_requeue
+        signum, said = signal.SIGUSR2, "SLURM ended submitit's `scontrol requeue` as it took the requeue"
+    else:
+        signum, said = signal.SIGUSR1, "Preemption: requeued SLURM job 7"
+    with caplog.at_level("INFO"):
+        assert preemption._requeue(signum, requeue_signal=True) is True
+    assert said in caplog.text
+    assert slurm.requeue("7") is None
+
+    _scontrol(tmp_path / "bin", "echo 'Requested operation is presently disabled' >&2; exit 1")
+    assert slurm.requeue("7") == (
+        "exited 1: Requested operation is presently disabled (is the job submitted with --requeue?)"
+    )
+    with pytest.warns(UserWarning, match=r"requeue.* failed .*the checkpoint is saved, resume by hand"):
+        assert preemption._requeue(signum, requeue_signal=True) is False

@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -291,6 +292,13 @@ class Preemption(pl.Callback):
                 previous(signum, None)  # requeues, then exits at once; raises UncompletedJobError if it will not
             except SystemExit:
                 return True  # requeued: exit only once SLURM ends this start (_await_slurm), not at once
+            except subprocess.CalledProcessError as err:  # its `scontrol requeue` (check_call)
+                if slurm.ended_by_requeue(err.returncode):
+                    rank_zero_info("Preemption: SLURM ended submitit's `scontrol requeue` as it took the requeue")
+                    return True
+                rank_zero_warn(
+                    f"Preemption: submitit's requeue failed ({err}); the checkpoint is saved, resume by hand"
+                )
             return False
         job = slurm.job_id()
         wanted = self.requeue if self.requeue is not None else job is not None

@@ -13,9 +13,10 @@ Facts behind the choices in ``preemption.py``, seen with SLURM 22.05 on a local 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
-__all__ = ["being_preempted", "job_id", "launched_by_submitit", "requeue"]
+__all__ = ["being_preempted", "ended_by_requeue", "job_id", "launched_by_submitit", "requeue"]
 
 
 def job_id() -> str | None:
@@ -46,12 +47,22 @@ def being_preempted(job: str) -> tuple[bool, str]:
     return state.get("JobState") == "RUNNING" and state.get("PreemptTime", "None") != "None", state.get("JobState", "?")
 
 
+def ended_by_requeue(returncode: int) -> bool:
+    """Whether ``scontrol requeue`` exited by SLURM's SIGTERM, which it sends once it has taken the requeue.
+
+    ``scontrol`` runs inside the job it requeues, so SLURM ends it with the job's other processes: the SIGTERM
+    of the requeue can reach it before it has returned (seen in CI under load: submitit's ``check_call`` raised
+    ``CalledProcessError`` with -15, and the job started again). Any other failure is a refusal.
+    """
+    return returncode == -signal.SIGTERM
+
+
 def requeue(job: str) -> str | None:
     """``scontrol requeue <job>``: None once SLURM took it, else why not."""
     try:
         proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not ended_by_requeue(proc.returncode):
         return f"exited {proc.returncode}: {proc.stderr.strip()} (is the job submitted with --requeue?)"
     return None
