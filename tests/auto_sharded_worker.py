@@ -56,8 +56,8 @@ def strategy_of(name: str) -> Any:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
-    if name.startswith("deepspeed_zero"):
-        return CPUDeepSpeedStrategy(stage=int(name[-1]))
+    if name.startswith("deepspeed_zero"):  # deepspeed_zero3_bf16: its precision, the Trainer's (fit)
+        return CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]))
     return name
 
 
@@ -92,7 +92,9 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
     if keys is not None:
         callback = ActivationCheckpointing(layers="TransformerBlock", **keys)
         callbacks.insert(0, callback)
+    precision = "bf16-mixed" if strategy.endswith("_bf16") else "32-true"
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_of(strategy), max_steps=1, logger=False,
+                         precision=precision,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, default_root_dir=out)
     installed: dict[str, str] = {}

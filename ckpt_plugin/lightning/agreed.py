@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ckpt_plugin.apply.plan import candidates, plan_for
 from ckpt_plugin.config.schema import AutoConfig
-from ckpt_plugin.lightning.fsdp import twin_of
+from ckpt_plugin.lightning.fsdp import plans_on_a_twin, twin_of
 from ckpt_plugin.lightning.memory import memory_plan
 from ckpt_plugin.lightning.strategies import error_as_data, error_from_data, rank_zero_plans_alone
 from ckpt_plugin.planning.plan_file import plan_from_dict, plan_to_dict
@@ -31,8 +31,9 @@ def agreed_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
                 forward: Callable[[], Any] | None, resumed: dict[str, Any] | None = None,
                 before_sharding: bool = False) -> tuple[Any, int | None]:
     """The plan every rank installs: ``resumed`` (the checkpoint's, on a resume with the same keys), else rank 0's;
-    and the batch size ``ckpt.batch=max`` found (rank 0's), or None. ``before_sharding``: FSDP's module, whole, in
-    ``setup``: rank 0 plans alone (no forward of it issues a collective yet), the whole step on its twin."""
+    and the batch size ``ckpt.batch=max`` found (rank 0's), or None. ``before_sharding``: the module whole, in
+    ``setup`` (FSDP, FSDP2, DeepSpeed): rank 0 plans alone (no forward of it issues a collective yet), under FSDP
+    and FSDP2 the whole step on its twin."""
     if resumed is not None:
         plan = plan_from_dict(resumed, pl_module, "the checkpoint's plan (trainer.fit(ckpt_path=...))")
         lines = ["ckpt=auto: resuming with the checkpoint's plan, installed as it is, without planning "
@@ -48,7 +49,8 @@ def agreed_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
                        "at a time) to plan for " + ("ckpt.memory..." if config.read_memory is not None
                                                     else "ckpt.budget..."))
         try:
-            twin = twin_of(trainer, pl_module) if before_sharding else None  # as FSDP will shard the module
+            # As FSDP or FSDP2 will shard the module; DeepSpeed plans the activations alone (strategies.py).
+            twin = twin_of(trainer, pl_module) if before_sharding and plans_on_a_twin(trainer.strategy) else None
             if config.read_memory is not None:
                 plan, batch = memory_plan(trainer, pl_module, config, forward, twin)
             else:  # a layer FSDP wraps in a unit of its own runs there: no region over several

@@ -37,21 +37,18 @@ no collective (``step.py``; a step that communicates is measured on its forward 
 profiles in lockstep and installs rank 0's plan. Rank 0 writes the plan it
 installed to ``ckpt_plan.json`` in the Trainer's log dir, for ``ckpt.plan=`` to rerun it.
 
-Under ``FSDPStrategy`` ``ckpt=auto`` plans in ``setup``, before the strategy
-shards the module (at ``on_fit_start`` its root parameters were 1-D shards:
-"'weight' must be 2-D"): rank 0 profiles the whole module, with ``ckpt.memory``
-every whole step on a fake twin the strategy shards (``fsdp.py``), and every
-rank installs the plan at fit start under the names FSDP gave the same modules.
-Under FSDP2 (``ModelParallelStrategy``) and DeepSpeed, ``ckpt=auto`` does
-not plan: it is a ConfigError in ``setup`` (``strategies.planning_refused``), before
-the strategy builds anything. The profile runs the LightningModule's step
-and backward outside the strategy, on fake tensors: run with 2 gloo processes
-on CPU, FSDP2 kept fake all-gathered parameters and trained the next step on
-them, and DeepSpeed's gradient hooks took fake gradients ("Cannot copy out of
-meta tensor"; ZeRO-1, 2 and 3). A plan made on one process or under DDP
-(``ckpt_plan.json``) installs there with ``ckpt.plan=``. The wrap report's
-fake forward is skipped where parameters are sharded (FSDP, FSDP2, ZeRO-3) for
-the same reason (``strategies.sharded_parameters``).
+Under ``FSDPStrategy``, ``ModelParallelStrategy`` (FSDP2) and DeepSpeed, ``ckpt=auto``
+plans in ``setup``, before the strategy shards the module or hooks its parameters: run
+with 2 gloo processes on CPU, a profile at fit start met FSDP's flat 1-D shards ("'weight'
+must be 2-D"), left FSDP2 training the next step on fake all-gathered parameters, and
+fed DeepSpeed's gradient hooks fake gradients ("Cannot copy out of meta tensor"; ZeRO-1,
+2 and 3). Rank 0 profiles the whole module (with ``ckpt.memory``, under FSDP and FSDP2,
+every whole step on a fake twin the strategy shards: ``fsdp.py``), and every rank installs
+the plan at fit start under the names the strategy's wrapping gave the same modules. Under
+DeepSpeed only the activations are planned (``ckpt.budget``); its whole step is refused
+(``strategies.planning_refused``). The wrap report's fake step is skipped where parameters
+are sharded (FSDP, FSDP2, ZeRO-3) or, for ckpt=auto's backward, hooked (ZeRO-1 and 2):
+``strategies.fake_step_refused``.
 """
 
 from __future__ import annotations
@@ -85,7 +82,6 @@ from ckpt_plugin.config.schema import (
 from ckpt_plugin.engine.wrap import check_plan, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.agreed import agreed_plan
-from ckpt_plugin.lightning.fsdp import plans_on_a_twin
 from ckpt_plugin.lightning.keys_changed import config_changes
 from ckpt_plugin.lightning.memory import StepWatch, check_settable, set_batch_size
 from ckpt_plugin.lightning.step import (
@@ -96,7 +92,7 @@ from ckpt_plugin.lightning.step import (
     no_step_error,
     uncontained_warning,
 )
-from ckpt_plugin.lightning.strategies import planning_refused, prepare, sharded_parameters
+from ckpt_plugin.lightning.strategies import fake_step_refused, planning_refused, plans_before_wrapping, prepare
 from ckpt_plugin.lightning.wrapped import check_fixed_mode, report_rows, say_what_was_wrapped
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
@@ -219,9 +215,10 @@ class ActivationCheckpointing(pl.Callback):
             raise refused
         if isinstance(self.config, AutoConfig) and self.config.batch == "max" and self.config.plan is None:
             check_settable(pl_module)  # before anything is planned: where the batch size would be written
-        # ckpt=auto under FSDP plans here (or reads ckpt.plan), while the module is whole: ckpt.memory on
-        # lightning/fsdp.py's twin. The plan names the module's layers; fit start renames it to FSDP's names.
-        before_sharding = isinstance(self.config, AutoConfig) and plans_on_a_twin(trainer.strategy)
+        # ckpt=auto under FSDP, FSDP2 and DeepSpeed plans here (or reads ckpt.plan), while the module is whole:
+        # ckpt.memory on lightning/fsdp.py's twin. The plan names the module's layers; fit start renames it to the
+        # names the strategy's wrapping gave them.
+        before_sharding = isinstance(self.config, AutoConfig) and plans_before_wrapping(trainer.strategy)
         try:
             _check_on(pl_module, self.config)
         except ConfigError as err:
@@ -244,8 +241,9 @@ class ActivationCheckpointing(pl.Callback):
             self._plan_before_sharding(trainer, pl_module)
 
     def _plan_before_sharding(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """ckpt=auto under FSDP: rank 0 plans on the whole module (ckpt.memory: every whole step on the fake twin the
-        strategy shards, ``fsdp.py``); every rank gets the plan (installed at fit start) and sets the batch. A plan
+        """ckpt=auto under FSDP, FSDP2 or DeepSpeed: rank 0 plans on the whole module (ckpt.memory: every whole step on
+        the fake twin the strategy shards, ``fsdp.py``); every rank gets the plan (installed at fit start) and sets
+        the batch. A plan
         given with ``ckpt.plan`` is read against the whole module too, so it installs whatever units FSDP makes.
         The plan kept (``ckpt_plan.json``, the checkpoint) names the module's own layers."""
         before = dict(user_module(pl_module).named_modules())
@@ -286,11 +284,11 @@ class ActivationCheckpointing(pl.Callback):
         self._batches = 0
         self.step_watch = StepWatch(plan.fit.split, plan.fit.limit) if plan.fit is not None else None
         rows, options = report_rows(pl_module, plan)
-        sharded = sharded_parameters(trainer.strategy)
+        unmeasured = fake_step_refused(trainer.strategy, backward=bool(options))
         without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed
         # The peaks (a fake backward under MemTracker) cost as much again per fit and, found by ckpt-soak, leave the
         # fake copies of the parameters alive after it: measured only for ckpt=auto, whose plan they check.
-        if forward is not None and sharded is None:
+        if forward is not None and unmeasured is None:
             try:
                 without = measure_step(pl_module, forward, rows, peaks=bool(options))
             except NotFakeable as err:  # counted on fake tensors or not at all: never on real ones
@@ -299,7 +297,7 @@ class ActivationCheckpointing(pl.Callback):
         self.wrapped = self._installed.names
         if planning:
             self._keep(trainer, pl_module, plan)
-        self.report = say_what_was_wrapped(pl_module, self.config, self.wrapped, plan, forward, sharded, without,
+        self.report = say_what_was_wrapped(pl_module, self.config, self.wrapped, plan, forward, unmeasured, without,
                                            rows, options)
         self._overkeep_at_step = forward is None and not isinstance(self.config, AutoConfig) and \
             self.config.sample != NONE

@@ -114,51 +114,72 @@ def sharded_parameters(strategy: Any) -> str | None:
     if plans_on_a_twin(strategy):
         return type(strategy).__name__
     if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
-        return f"{type(strategy).__name__} (ZeRO stage 3)"
+        return _deepspeed_name(strategy)
     return None
 
 
+def plans_before_wrapping(strategy: Any) -> bool:
+    """Whether ``ckpt=auto`` plans in the callback's ``setup``, on the module whole, before the strategy shards it
+    or hooks its parameters: FSDP and FSDP2 (each whole step on a fake twin, ``fsdp.py``) and DeepSpeed."""
+    return plans_on_a_twin(strategy) or _is_deepspeed(strategy)
+
+
+def _deepspeed_name(strategy: Any) -> str:
+    return f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
+
+
 def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
-    """The error for ckpt=auto planning under DeepSpeed (every stage), else None.
+    """The error for ckpt=auto planning what is not modelled under the strategy, else None.
 
     The profile runs the LightningModule's forward and backward on fake tensors and times layers on real
     ones, outside the strategy's own call (2 gloo processes on CPU, torch 2.13, Lightning 2.6.6): at fit
     start FSDP's root unit's parameters were flat 1-D shards; FSDP2 kept the fake all-gathered parameters
     and ran the next training step on them; DeepSpeed's gradient hooks (ZeRO-1 and 2 too) took the fake
-    gradients and failed in the first real backward. Under FSDPStrategy the plan is made in ``setup``,
-    before the strategy shards anything (``callback.py``), and under ModelParallelStrategy before the module's
-    configure_model shards it with FSDP2. A given plan (ckpt.plan) runs no profile: allowed.
+    gradients and failed in the first real backward. So under these strategies the plan is made in ``setup``
+    (``callback.py``), before the strategy shards or hooks anything, and under ModelParallelStrategy before the
+    module's configure_model shards it with FSDP2. Under DeepSpeed that plans the activations (``ckpt.budget``):
+    a ZeRO rank's forward runs each layer with its parameters whole, as the module's forward runs it. Its whole
+    step (``ckpt.memory``, ``ckpt.batch=max``) is not modelled yet: refused. A given plan (ckpt.plan) runs no
+    profile: allowed.
     """
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if not isinstance(config, AutoConfig) or config.plan is not None:
+    if not isinstance(config, AutoConfig) or config.plan is not None or not _is_deepspeed(strategy):
         return None
-    name = sharded_parameters(strategy)
-    if name is None and isinstance(strategy, DeepSpeedStrategy):
-        name = f"{type(strategy).__name__} (ZeRO stage {strategy.config.get('zero_optimization', {}).get('stage')})"
-    if name is None:
-        return None
-    if plans_on_a_twin(strategy):  # planned in setup, before anything is sharded (callback.py; fsdp.py's twin)
-        return None
+    name = _deepspeed_name(strategy)
     if config.read_memory is not None:
         return ConfigError([Problem(
             "ckpt.memory",
-            f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step on one "
-            "rank is measured on a fake twin that the strategy shards as it shards the module, and of the sharded "
-            "strategies only Lightning's FSDPStrategy (FSDP v1) and ModelParallelStrategy (FSDP2) are modelled so far",
-            "under FSDPStrategy, ModelParallelStrategy, DDP or on one device ckpt.memory plans the whole step; here "
-            "plan the activations "
-            "on one process (ckpt.budget, whose run writes ckpt_plan.json) and give that file with "
-            "ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
+            f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step of a ZeRO "
+            "rank (its partitions of the parameters, gradients and optimizer state, its buckets) is not modelled "
+            "yet; of the sharded strategies ckpt.memory plans under Lightning's FSDPStrategy (FSDP v1) and "
+            "ModelParallelStrategy (FSDP2)",
+            "here plan the activations with ckpt.budget (a fraction of the activation peak without "
+            "checkpointing, a size, or min; rank 0 plans before DeepSpeed wraps the module), give a plan file "
+            "with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
         )])
-    return ConfigError([Problem(
-        "ckpt.mode",
-        f"ckpt.mode=auto cannot plan under trainer.strategy {name}: its profile runs the LightningModule's "
-        "forward and backward outside the strategy, which shards the parameters or hooks the gradients",
-        "plan with the same model and per-device batch on one process or under DDP (the ckpt=auto run writes "
-        "ckpt_plan.json in its log dir) and give that file here with ckpt.plan=<file>, or choose a fixed "
-        "mode (ckpt=full, ckpt=selective, ckpt=offload)",
-    )])
+    budget, precision = config.read_budget, str(getattr(strategy.precision_plugin, "precision", "32-true"))
+    if budget is not None and budget.bytes is not None and precision not in ("32-true", "32", "64-true", "64"):
+        return ConfigError([Problem(
+            "ckpt.budget",
+            f"ckpt.budget={config.budget} under trainer.strategy {name} with precision {precision}: rank 0 plans "
+            "before DeepSpeed wraps the module, while it is still in float32, and DeepSpeed casts it to "
+            f"{precision}'s dtype afterwards, so a size would be measured against activations of the wrong width",
+            "give a fraction of the activation peak without checkpointing (ckpt.budget=0.5), which does not "
+            "depend on the width, or min",
+        )])
+    return None
+
+
+def fake_step_refused(strategy: Any, backward: bool) -> str | None:
+    """Why the report's step on fake tensors cannot run on the module at fit start (``backward``: one with a
+    backward, ckpt=auto's peaks), else None: parameters sharded (FSDP, FSDP2, ZeRO-3), or DeepSpeed's gradient
+    hooks on the parameters (ZeRO-1 and 2), which would take fake gradients."""
+    name = sharded_parameters(strategy)
+    if name is not None:
+        return f"under {name}: the report's step on fake tensors would run into the parameters it shards"
+    if backward and _is_deepspeed(strategy):
+        name = _deepspeed_name(strategy)
+        return f"under {name}: its gradient hooks would take the fake gradients of the report's step"
+    return None
 
 
 def error_as_data(error: BaseException) -> dict[str, Any]:

@@ -73,10 +73,11 @@ def check_fixed_mode(trainer: pl.Trainer, pl_module: pl.LightningModule, config:
 
 
 def say_what_was_wrapped(pl_module: pl.LightningModule, config: CkptConfig, names: list[str], plan: Any,
-                         forward: Callable[[], Any] | None, sharded: str | None,
+                         forward: Callable[[], Any] | None, unmeasured: str | None,
                          without: StepMeasure | NotFakeable | None, rows: Any, options: Any) -> WrapReport | None:
     """The wrapped line, and the report of what the step keeps with and without (``measure/report.py``)
-    where it can be measured on fake tensors; the report, or None."""
+    where it can be measured on fake tensors (``unmeasured``: why it cannot, ``strategies.fake_step_refused``);
+    the report, or None."""
     how = how_wrapped(config.mode, options)
     wrapped = f"{wrapped_line(len(names), type(pl_module).__name__, how)}: {', '.join(names)}."
     report = None
@@ -85,9 +86,8 @@ def say_what_was_wrapped(pl_module: pl.LightningModule, config: CkptConfig, name
                f"there is no training batch to measure the step on (nor `example_input_array` on "
                f"{type(pl_module).__name__})")
         rank_zero_info(f"{wrapped} ({why}, so the activation memory this saves is not reported.)")
-    elif sharded is not None:
-        rank_zero_info(f"{wrapped} Their kept bytes are not reported under {sharded}: the report's step on fake "
-                       "tensors would run into the parameters it shards.")
+    elif unmeasured is not None:
+        rank_zero_info(f"{wrapped} Their kept bytes are not reported {unmeasured}.")
     elif isinstance(without, NotFakeable):  # counted on fake tensors or not at all: never on real ones
         rank_zero_info(f"{wrapped} Their kept bytes are not reported: {without}")
     else:
