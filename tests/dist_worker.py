@@ -4,7 +4,7 @@
 
 The JSON maps a run's name to its preset and Hydra overrides. Each run composes
 ``train.yaml`` with ``trainer=<preset>`` as ``recipes/train.py`` does (real
-Hydra, real Trainer, Lightning's own process launcher), but fits a
+Hydra, real Trainer), but fits a
 :class:`Pair`: two copies of the example GPT with the same weights, seeing the
 same batches and the same dropout masks, of which the plugin checkpoints only
 the second (``ckpt.layers='ckpt.blocks.*'``). Within one run, under one
@@ -17,9 +17,11 @@ elements this rank holds.
 
 The runs go one after another in the same two processes: importing torch,
 Lightning and DeepSpeed takes each interpreter ~4 s, longer than a 4-step fit
-of this model. Lightning's launcher starts rank 1 (this script, the same
-arguments) at the first fit; later Trainers find ``LOCAL_RANK`` set and the
-process group initialised, and use both as they are. Each run builds its own
+of this model. The test starts both ranks as torchrun would (``warm_python.run_ranks``:
+``LOCAL_RANK`` and one ``MASTER_PORT``), so every Trainer finds the processes made
+outside, and from the second fit the process group initialised, and uses both as
+they are (Lightning's own launcher is exercised by the recipe's DDP runs and
+tests/test_fabric.py). Each run builds its own
 Trainer, callbacks, data and :class:`Pair`, and ``train`` seeds it afresh.
 """
 
@@ -165,7 +167,7 @@ def fit(preset: str, overrides: list[str], out: Path) -> pl.Trainer:
 def main(out: Path, runs: dict[str, list]) -> None:
     from rank_exit import leave  # beside this file
 
-    children: list = []  # the ranks Lightning's launcher started (at the first fit, on rank 0)
+    children: list = []  # the ranks Lightning's launcher started, were the script run alone (rank 0's)
     for name, (preset, overrides) in runs.items():
         start = time.perf_counter()
         trainer = fit(preset, overrides, out / name)

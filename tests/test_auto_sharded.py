@@ -48,7 +48,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
                         "OMP_NUM_THREADS": "1"}
-    proc = warm_python.run([str(WORKER), str(out), json.dumps(runs)], env=env, cwd=out.parent, timeout=300)
+    proc = warm_python.run_ranks([str(WORKER), str(out), json.dumps(runs)], 2, env=env, cwd=out.parent, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out
 

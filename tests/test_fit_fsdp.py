@@ -47,7 +47,8 @@ GIVEN = {"name": "given", "optimizer": "adamw", "plan": "adamw_mid"}  # adamw_mi
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fit_fsdp") / "run"
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = warm_python.run([str(WORKER), str(out), json.dumps([*RUNS, GIVEN])], env=env, cwd=out.parent, timeout=600)
+    argv = [str(WORKER), str(out), json.dumps([*RUNS, GIVEN])]
+    proc = warm_python.run_ranks(argv, 2, env=env, cwd=out.parent, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (out / "output.txt").write_text(proc.stdout + proc.stderr)
     return out

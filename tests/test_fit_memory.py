@@ -242,7 +242,7 @@ def test_under_ddp_rank_zero_plans_the_batch_and_every_rank_fits_with_the_bucket
 
     worker = Path(__file__).with_name("fit_ddp_worker.py")
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = warm_python.run([str(worker), str(tmp_path / "run")], env=env, cwd=tmp_path, timeout=400)
+    proc = warm_python.run_ranks([str(worker), str(tmp_path / "run")], 2, env=env, cwd=tmp_path, timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     zero, one = (json.loads((tmp_path / "run" / f"rank{r}.json").read_text()) for r in range(2))

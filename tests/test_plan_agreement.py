@@ -24,7 +24,7 @@ WORKER = Path(__file__).with_name("plan_agreement_worker.py")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict], str]:
     out = tmp_path_factory.mktemp("agreement")
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = warm_python.run([str(WORKER), str(out / "run")], env=env, cwd=out, timeout=300)
+    proc = warm_python.run_ranks([str(WORKER), str(out / "run")], 2, env=env, cwd=out, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     run = out / "run"

@@ -53,7 +53,7 @@ def launch(runs: dict[str, tuple[str, list[str]]], out: Path, returncode: int = 
     """The worker's output; ``returncode``: the exit code expected (138: stopped by Preemption on SIGUSR1)."""
     env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
-    proc = warm_python.run([str(WORKER), str(out), json.dumps(runs)], env=env, cwd=out.parent, timeout=600)
+    proc = warm_python.run_ranks([str(WORKER), str(out), json.dumps(runs)], 2, env=env, cwd=out.parent, timeout=600)
     output = proc.stdout + proc.stderr
     finished = "\n".join(line for line in output.splitlines() if line.startswith("[dist_worker]"))
     if proc.returncode != returncode:

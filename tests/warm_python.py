@@ -2,6 +2,7 @@
 
     proc = warm_python.run([str(RECIPE), "ckpt=none"], cwd=tmp, env=env, timeout=600)  # a CompletedProcess
     proc = warm_python.run(["-m", "ckpt_tools.bench", "--quick"], cwd=tmp, env=env, timeout=300)
+    proc = warm_python.run_ranks([str(WORKER), str(out)], 2, cwd=tmp, env=env, timeout=600)  # both ranks warm
 
 A fresh interpreter spends ~3.5 s on these 2-core machines importing torch, Lightning (with
 torchmetrics, transformers and matplotlib under it) and Hydra before a tiny recipe run does ~1 s
@@ -21,19 +22,22 @@ process group start a real interpreter (``subprocess``) instead.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import multiprocessing
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
-__all__ = ["run"]
+__all__ = ["run", "run_ranks"]
 
 # ckpt_tools first: importing it lets the registry's CUDA torchvision import on the CPU torch (torchvision_cpu.py),
 # before lightning.pytorch imports it through torchmetrics.
@@ -100,28 +104,61 @@ def _main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str, pa
 def run(argv: list[str], *, cwd: Path | str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """``python *argv`` (a script and its arguments, or ``-m module ...``) as a fork of the warm server;
     its output and exit code."""
+    return _forks(argv, [env], cwd, timeout)
+
+
+def run_ranks(argv: list[str], world: int, *, cwd: Path | str, env: dict[str, str],
+              timeout: float) -> subprocess.CompletedProcess:
+    """``python *argv`` once per rank of a ``world``-process job on this machine, every rank a fork of the warm
+    server: each with ``LOCAL_RANK``, ``NODE_RANK=0`` and one ``MASTER_ADDR``/``MASTER_PORT``, as ``torchrun``
+    starts them, so Lightning (and Fabric) see processes created outside and launch none of their own (their
+    launcher would start the other ranks as new interpreters, each paying the imports again). Their outputs in
+    rank order; the exit code the first nonzero one, else 0."""
+    with contextlib.closing(socket.socket()) as sock:  # a free port for the group's store, as Lightning finds one
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world), "NODE_RANK": "0"}
+    return _forks(argv, [env | job | {"LOCAL_RANK": str(rank)} for rank in range(world)], cwd, timeout)
+
+
+def _forks(argv: list[str], envs: list[dict[str, str]], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
+    """One fork of the warm server per environment in ``envs``, each running ``python *argv``."""
     if argv[0] == "-m":  # python -m: the working directory first on sys.path
         first = os.path.abspath(cwd)
     else:
         argv = [os.path.abspath(os.path.join(cwd, argv[0])), *argv[1:]]
         first = os.path.dirname(argv[0])
-    pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    pythonpath = [p for p in envs[0].get("PYTHONPATH", "").split(os.pathsep) if p]
     path = [first, *pythonpath, *_interpreter_path()]
     with tempfile.TemporaryDirectory(prefix="warm-python-") as tmp:
-        out, err, status = (os.path.join(tmp, name) for name in ("stdout", "stderr", "status"))
-        Path(out).touch()
-        Path(err).touch()
+        files = [tuple(os.path.join(tmp, f"{name}{i}") for name in ("stdout", "stderr", "status"))
+                 for i in range(len(envs))]
+        children = []
+        for out, err, _ in files:
+            Path(out).touch()
+            Path(err).touch()
         with _LOCK:  # one request at a time to the server (it serves them in order anyway)
-            child = _context().Process(target=_main, args=(list(argv), str(cwd), dict(env), out, err, path, status))
-            child.start()
-        child.join(timeout)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
+            for env, (out, err, status) in zip(envs, files, strict=True):
+                child = _context().Process(target=_main, args=(list(argv), str(cwd), dict(env), out, err, path,
+                                                               status))
+                child.start()
+                children.append(child)
+        deadline = time.monotonic() + timeout
+        for child in children:
+            child.join(max(deadline - time.monotonic(), 0))
+        if any(child.exitcode is None for child in children):
+            for child in children:
+                child.kill()
+                child.join()
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
-        # The exit code as the run wrote it: multiprocessing answers 255 for a forkserver child whose status
-        # the server could not pass on (popen_forkserver.poll: EOF on its socket), seen once in a full suite
-        # run after a recipe had trained to its end. A run killed before it wrote one: the exit code as reported.
-        written = Path(status).read_text() if os.path.exists(status) else ""
-        code = int(written) if written.strip().lstrip("-").isdigit() else child.exitcode
-        return subprocess.CompletedProcess([sys.executable, *argv], code, Path(out).read_text(), Path(err).read_text())
+        codes = []
+        for child, (_, _, status) in zip(children, files, strict=True):
+            # The exit code as the run wrote it: multiprocessing answers 255 for a forkserver child whose status
+            # the server could not pass on (popen_forkserver.poll: EOF on its socket), seen once in a full suite
+            # run after a recipe had trained to its end. A run killed before it wrote one: the code as reported.
+            written = Path(status).read_text() if os.path.exists(status) else ""
+            codes.append(int(written) if written.strip().lstrip("-").isdigit() else child.exitcode)
+        code = next((c for c in codes if c), 0)
+        out = "".join(Path(f[0]).read_text() for f in files)
+        err = "".join(Path(f[1]).read_text() for f in files)
+        return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
