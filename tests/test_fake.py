@@ -222,6 +222,9 @@ def test_a_measurement_sets_the_heap_aside_for_the_collector_and_puts_it_back():
     try:
         own = gc.get_freeze_count()
         measure()
-        assert frozen[1] == own and gc.get_freeze_count() == own
+        # Not frozen again (the objects made since would have joined) nor unfrozen (none would be left); a frozen
+        # object can still die meanwhile (CI: 2 of 1.7 million), leaving the permanent generation.
+        assert frozen[1] <= own and 0 < gc.get_freeze_count() <= own
+        assert own - gc.get_freeze_count() < 1000
     finally:
         gc.unfreeze()
