@@ -131,6 +131,28 @@ def test_the_plan_for_a_limit_holds_its_real_step_under_it_as_predicted(fraction
     assert f"predicted whole-step peak {plan.fit.split}" in plan.summary
 
 
+def test_planning_for_a_limit_measures_each_plans_peak_once(monkeypatch):
+    """The strategies check the same plan more than once (ckpt.memory's least plan, then the budgets bisected):
+    each check is a whole recorded step on fake tensors, so a plan's peak is measured once and read back."""
+    import ckpt_plugin.planning.profile as profile
+
+    measured: list[tuple] = []
+    real_peak = profile._plan_peak
+
+    def counted(model, forward, choices, fake, grouped=()):
+        measured.append((tuple(choices.items()), grouped, fake))
+        return real_peak(model, forward, choices, fake, grouped)
+
+    monkeypatch.setattr(profile, "_plan_peak", counted)
+    model = _gpt()
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    without = whole_of(model, WrapPlan(), _forward(model), [optimizer]).peak
+    plan = plan_for(model, make_config(mode="auto", layers="TransformerBlock", memory=without - 1, timing="eager"),
+                    _forward(model), optimizers=[optimizer])
+    assert plan.names and measured  # it planned, and checked plans' peaks
+    assert len(measured) == len(set(measured)), measured
+
+
 def test_a_limit_that_holds_the_step_wraps_nothing_and_says_so():
     model = _resnet()
     optimizer = OPTIMIZERS["sgd"](model.parameters())

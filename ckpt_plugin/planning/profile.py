@@ -70,6 +70,10 @@ class ProfileCache:
     # (names, fake) -> (recorder by option, FLOPs by option and layer, options by layer it cannot run under)
     steps: dict[tuple[tuple[str, ...], bool], tuple[dict[Option, Recorder], dict[Option, dict[str, int]],
                                                     dict[str, set[Option]]]] = field(default_factory=dict)
+    # (a plan's choices, the layers regrouped, fake) -> its activation peak (``Profile.measure``): the strategies
+    # check the same plan again (ckpt.memory's least plan, a budget's first fit; on the example GPT 11 checks
+    # were 6 plans), and each check is a whole recorded step.
+    peaks: dict[tuple[tuple[tuple[str, Option], ...], tuple[str, ...], bool], int] = field(default_factory=dict)
 
 
 def profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, fake: bool = True,
@@ -165,8 +169,8 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
         parts=parts,
         chains=chains,
         # A plan's own step on fake tensors: eager only (a compiled step keeps what its partitioner chooses).
-        measure=(lambda chosen: _plan_peak(model, forward, chosen.choices, fake, grouped)) if chains or not compiled
-        else None,
+        measure=(lambda chosen: _cached_peak(cache, model, forward, chosen.choices, fake, grouped))
+        if chains or not compiled else None,
         regrouped=grouped,
     )
     if not timed:
@@ -198,6 +202,15 @@ def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
     if all(SELECTIVE_NB not in layer.options for layer in layers) or any(between(layer) for layer in layers):
         return layers
     return [replace(layer, options={o: c for o, c in layer.options.items() if o != SELECTIVE_NB}) for layer in layers]
+
+def _cached_peak(cache: ProfileCache, model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, Option],
+                 fake: bool, grouped: tuple[str, ...]) -> int:
+    """:func:`_plan_peak`, each plan measured once per profiled model (``ProfileCache.peaks``)."""
+    key = (tuple(choices.items()), grouped, fake)
+    if key not in cache.peaks:
+        cache.peaks[key] = _plan_peak(model, forward, choices, fake, grouped)
+    return cache.peaks[key]
+
 
 def _plan_peak(model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, Option], fake: bool,
                grouped: tuple[str, ...] = ()) -> int:
