@@ -13,6 +13,7 @@ run goes on in the same two processes (a ConfigError in setup is raised on every
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -85,6 +86,17 @@ def full_parameters(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str
             for n, p in module.named_parameters()}
 
 
+class _Said(logging.Handler):
+    """Counts the log records that start with ``start``."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start, self.count = start, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith(self.start)
+
+
 def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
     net = model(strategy)
     callbacks: list[pl.Callback] = [Seeded()]
@@ -107,12 +119,17 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
 
     net.on_train_start = record
     result: dict[str, Any] = {}
+    said = _Said("ckpt: measuring runs")  # what the measurements run, said once a fit
+    logging.getLogger("lightning.pytorch").addHandler(said)
     try:
         trainer.fit(net, data())
     except Exception as err:  # the test asserts on it
         result["error"] = [type(err).__name__, str(err)]
         if not isinstance(err, ValueError):  # a ConfigError is what a test expects; anything else, in full
             traceback.print_exc()
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(said)
+    result["measuring_said"] = said.count
     rank = trainer.global_rank
     out.mkdir(parents=True, exist_ok=True)
     if "error" not in result:

@@ -79,7 +79,9 @@ def test_under_deepspeed_rank_zero_plans_before_the_engine_and_every_rank_instal
     """DeepSpeed: ckpt=auto ckpt.budget=0.5 plans in setup, before deepspeed.initialize partitions (ZeRO-3) or
     hooks (ZeRO-1, 2) the parameters; the report's fake step is skipped at fit start, said once."""
     _planned_alike_and_bitwise(out, f"zero{stage}_auto", f"zero{stage}_none")
-    assert ranks(out, f"zero{stage}_auto")[0]["installed"]  # the plan checkpoints something at half the peak
+    zero = ranks(out, f"zero{stage}_auto")[0]
+    assert zero["installed"]  # the plan checkpoints something at half the peak
+    assert zero["measuring_said"] == 1  # in setup, where it planned; not again at fit start
 
 
 def test_under_fsdp_rank_zero_plans_before_sharding_and_every_rank_installs_it_bitwise(out: Path) -> None:

@@ -169,6 +169,7 @@ class ActivationCheckpointing(pl.Callback):
         self.step_watch: StepWatch | None = None  # ckpt.memory: the whole step predicted, and measured at batch 2
         self._batches = 0  # training batches of this fit so far
         self._early: tuple[Any, dict[str, nn.Module]] | None = None  # FSDP: the plan made in setup, its modules
+        self._step_said = False  # what the measurements run, said in this fit (in setup under FSDP or DeepSpeed)
 
     # -- the checkpoint's record: what this fit was trained with ----------------------------------
 
@@ -210,6 +211,7 @@ class ActivationCheckpointing(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or isinstance(self.config, NoneConfig):
             return
+        self._step_said = False
         refused = planning_refused(trainer.strategy, self.config)
         if refused is not None:
             raise refused
@@ -265,7 +267,7 @@ class ActivationCheckpointing(pl.Callback):
         prepare(trainer.strategy, pl_module, self.config)
         early, self._early = self._early, None  # planned in setup, before the strategy sharded the module
         planning = isinstance(self.config, AutoConfig) and self.config.plan is None and early is None
-        step = self._measured(trainer, pl_module, planning=planning)
+        step = self._measured(trainer, pl_module, planning=planning, say=not self._step_said)
         forward = step.run if step is not None else None
         if early is not None:  # the same modules, named as the strategy's wrapping named them
             plan = renamed(early[0], names_after_wrapping(early[1], pl_module))
@@ -274,7 +276,7 @@ class ActivationCheckpointing(pl.Callback):
             if batch is not None:
                 set_batch_size(trainer, pl_module, batch)
                 self.batch_size = batch
-                step = self._measured(trainer, pl_module, planning=True)  # the report: the step as it will run
+                step = self._measured(trainer, pl_module, planning=True, say=False)  # the report: the step as it runs
                 forward = step.run
         else:
             plan = plan_for(pl_module, self.config, forward)
@@ -308,13 +310,15 @@ class ActivationCheckpointing(pl.Callback):
             if said is not None:
                 rank_zero_warn(said, category=UserWarning)
 
-    def _measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, planning: bool) -> MeasuredStep | None:
-        """What this fit's measurements run (``step.py``: ckpt.sample), said once; ``planning``: ckpt=auto, which
-        cannot plan without it (a ConfigError that says what it needs)."""
+    def _measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, planning: bool,
+                  say: bool = True) -> MeasuredStep | None:
+        """What this fit's measurements run (``step.py``: ckpt.sample), said once (``say``: not yet in this fit's
+        setup); ``planning``: ckpt=auto, which cannot plan without it (a ConfigError that says what it needs)."""
         step = measured_step(trainer, pl_module, self.config.sample)
         if step is None and planning:
             raise no_step_error(pl_module)
-        if step is not None:
+        self._step_said = self._step_said or (step is not None and say)
+        if step is not None and say:
             rank_zero_info(f"ckpt: measuring runs {step.source}" + (
                 " (ckpt.sample=forward measures the module's forward on example_input_array instead)"
                 if step.source == ON_BATCH and pl_module.example_input_array is not None else ""))
