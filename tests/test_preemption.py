@@ -228,7 +228,6 @@ def test_after_a_failed_fit_signals_reach_the_handler_that_was_there_before(tmp_
         signal.signal(signal.SIGUSR1, before)
 
 
-
 def _scontrol(bin_dir: Path, body: str) -> None:
     """An ``scontrol`` first on PATH: what SLURM's own does in a race that cannot be timed from a test."""
     bin_dir.mkdir(exist_ok=True)

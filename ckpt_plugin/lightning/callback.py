@@ -245,8 +245,8 @@ class ActivationCheckpointing(pl.Callback):
     def _plan_before_sharding(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """ckpt=auto under FSDP, FSDP2 or DeepSpeed: rank 0 plans on the whole module (ckpt.memory: every whole step on
         the fake twin the strategy shards, ``fsdp.py``); every rank gets the plan (installed at fit start) and sets
-        the batch. A plan
-        given with ``ckpt.plan`` is read against the whole module too, so it installs whatever units FSDP makes.
+        the batch. A plan given with ``ckpt.plan`` is read against the whole module too, so it installs whatever
+        units FSDP makes.
         The plan kept (``ckpt_plan.json``, the checkpoint) names the module's own layers."""
         before = dict(user_module(pl_module).named_modules())
         if self.config.plan is not None:
@@ -267,7 +267,7 @@ class ActivationCheckpointing(pl.Callback):
         prepare(trainer.strategy, pl_module, self.config)
         early, self._early = self._early, None  # planned in setup, before the strategy sharded the module
         planning = isinstance(self.config, AutoConfig) and self.config.plan is None and early is None
-        step = self._measured(trainer, pl_module, planning=planning, say=not self._step_said)
+        step = self._measured(trainer, pl_module, planning=planning)
         forward = step.run if step is not None else None
         if early is not None:  # the same modules, named as the strategy's wrapping named them
             plan = renamed(early[0], names_after_wrapping(early[1], pl_module))
@@ -276,7 +276,7 @@ class ActivationCheckpointing(pl.Callback):
             if batch is not None:
                 set_batch_size(trainer, pl_module, batch)
                 self.batch_size = batch
-                step = self._measured(trainer, pl_module, planning=True, say=False)  # the report: the step as it runs
+                step = self._measured(trainer, pl_module, planning=True)  # the report: the step as it will run
                 forward = step.run
         else:
             plan = plan_for(pl_module, self.config, forward)
@@ -310,15 +310,14 @@ class ActivationCheckpointing(pl.Callback):
             if said is not None:
                 rank_zero_warn(said, category=UserWarning)
 
-    def _measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, planning: bool,
-                  say: bool = True) -> MeasuredStep | None:
-        """What this fit's measurements run (``step.py``: ckpt.sample), said once (``say``: not yet in this fit's
-        setup); ``planning``: ckpt=auto, which cannot plan without it (a ConfigError that says what it needs)."""
+    def _measured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, planning: bool) -> MeasuredStep | None:
+        """What this fit's measurements run (``step.py``: ckpt.sample), said once a fit (setup may have said it);
+        ``planning``: ckpt=auto, which cannot plan without it (a ConfigError that says what it needs)."""
         step = measured_step(trainer, pl_module, self.config.sample)
         if step is None and planning:
             raise no_step_error(pl_module)
-        self._step_said = self._step_said or (step is not None and say)
-        if step is not None and say:
+        if step is not None and not self._step_said:
+            self._step_said = True
             rank_zero_info(f"ckpt: measuring runs {step.source}" + (
                 " (ckpt.sample=forward measures the module's forward on example_input_array instead)"
                 if step.source == ON_BATCH and pl_module.example_input_array is not None else ""))

@@ -203,6 +203,7 @@ def _useful_options(layers: list[LayerProfile]) -> list[LayerProfile]:
         return layers
     return [replace(layer, options={o: c for o, c in layer.options.items() if o != SELECTIVE_NB}) for layer in layers]
 
+
 def _cached_peak(cache: ProfileCache, model: nn.Module, forward: Callable[[], Any], choices: Mapping[str, Option],
                  fake: bool, grouped: tuple[str, ...]) -> int:
     """:func:`_plan_peak`, each plan measured once per profiled model (``ProfileCache.peaks``)."""
