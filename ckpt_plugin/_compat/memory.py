@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
 
+_TOTAL = "Total"  # the key of a device snapshot's total (MemTracker's _TOTAL_KEY)
+
 
 class _NoHook:
     """A removable handle of a hook never registered."""
@@ -70,9 +72,15 @@ class CategoryPeakTracker(MemTracker):
                 self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
-    def _update_peak_stats(self, peak_state: Any) -> None:  # private hook of MemTracker
-        super()._update_peak_stats(peak_state)
-        for dev_snap in self._curr_mem_snap.values():
+    def _update_peak_stats(self, peak_state: Any) -> None:  # private hook of MemTracker, after every op
+        # MemTracker's own also walks every module it has seen (a weak dictionary) to update each module's peak:
+        # per op, as many weak lookups as the model has modules. The measurements read the step's peak and
+        # its split only, so only those are kept, as MemTracker keeps them (``_peak_mem``, ``_peak_mem_snap``).
+        for dev, dev_snap in self._curr_mem_snap.items():
+            total = dev_snap[_TOTAL]
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
+                self._peak_mem_snap[dev] = dict(dev_snap)
             for key, value in dev_snap.items():
                 name = getattr(key, "name", str(key)).lower()
                 if value > self.category_peaks.get(name, 0):
