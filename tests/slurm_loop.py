@@ -1,6 +1,6 @@
 """Reliability as a figure: run a SLURM requeue test N times, each in a fresh pytest and a fresh cluster.
 
-    python tests/slurm_loop.py                       # 20 runs of the requeue-signal test
+    python tests/slurm_loop.py                       # 20 runs of the requeue-signal (mid-save SIGKILL) test
     python tests/slurm_loop.py -n 5 -k "preemption or three or save"
 
 Prints one line per run (pass/FAIL and seconds) and then ``passes/N``; exits 1 if any run
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT = "test_requeue_signal_saves_at_a_step_boundary_requeues_and_resumes"
+DEFAULT = "test_requeue_signal_mid_save_then_sigkill_leaves_the_previous_checkpoint"
 
 
 def main(argv: list[str] | None = None) -> int:

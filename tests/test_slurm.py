@@ -226,25 +226,6 @@ def uninterrupted(uninterrupted_job) -> dict[str, torch.Tensor]:
     return _final_weights(out)
 
 
-def test_requeue_signal_saves_at_a_step_boundary_requeues_and_resumes(cluster, tmp_path: Path, capsys, uninterrupted):
-    """What --signal=SIGUSR1@90 does before the time limit, sent now to every task: save, requeue, resume, finish."""
-
-    def signal_after_first_checkpoint(job_id: str) -> None:
-        _wait_for("the first last.ckpt", (tmp_path / "checkpoints" / "last.ckpt").exists)
-        subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)  # as SLURM does
-
-    info, text = _run_preempted(cluster, tmp_path, [THROTTLE], during=signal_after_first_checkpoint)
-    _report(capsys, "requeue signal", info, float(info["seconds"]))
-    _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
-    ((who, step),) = SAVING.findall(text)
-    # scancel signals the tasks one after the other: at the boundary one rank may have it, and all stop there.
-    assert _only(who, "SIGUSR1") and LAST_EVERY <= int(step) < STEPS, text[-3000:]
-    assert f"Preemption: requeued SLURM job {info['JobId']}" in text
-    # The second start resumed from the preemption checkpoint, the newer of it and last.ckpt.
-    restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
-    assert restored == [str(tmp_path / "hpc_ckpt_1.ckpt")]
-
-
 def test_sigterm_of_a_preemption_saves_within_the_grace_time_and_the_job_comes_back(
     cluster, tmp_path: Path, capsys, uninterrupted
 ):
@@ -295,26 +276,35 @@ def test_requeued_three_times_by_signals_in_backward_the_optimizer_step_and_a_sa
     assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()  # superseded once a newer one was complete
 
 
-def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(cluster, tmp_path: Path, capsys, uninterrupted):
-    """The preemption save stalls half-written; `scontrol requeue` then SIGTERMs and, KillWait later, SIGKILLs it."""
+def test_requeue_signal_mid_save_then_sigkill_leaves_the_previous_checkpoint(
+    cluster, tmp_path: Path, capsys, uninterrupted
+):
+    """What --signal=SIGUSR1@90 does before the time limit, sent now to every task (as SLURM sends it); the save it
+    starts stalls half-written, and `scontrol requeue` SIGTERMs and, KillWait later, SIGKILLs the job. The second
+    start resumes from the last complete checkpoint and finishes with the uninterrupted run's weights.
+
+    (One job for both: a signal from outside at a step boundary, and a save that never completes. The save that
+    completes, rank 0's requeue and the resume from it: the SIGTERM and three-requeue tests.)"""
     partial = tmp_path / ".hpc_ckpt_1.ckpt.partial"
     seen = {}
 
-    def kill_mid_save(job_id: str) -> None:
+    def signal_then_kill_mid_save(job_id: str) -> None:
+        _wait_for("the first last.ckpt", (tmp_path / "checkpoints" / "last.ckpt").exists)
+        subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)  # as SLURM does
         _wait_for("half of the preemption checkpoint", lambda: partial.exists() and partial.stat().st_size > 0)
         seen["bytes"] = partial.stat().st_size
         subprocess.run(["scontrol", "requeue", job_id], env=cluster.env, check=True)
 
-    overrides = [
-        _fault("signal", at="backward", step=13, ranks="[1]"),
-        "trainer.plugins=[{_target_:preempt_faults.StallingCheckpointIO}]",
-    ]
-    info, text = _run_preempted(cluster, tmp_path, overrides, during=kill_mid_save)
-    _report(capsys, "SIGKILL mid-save", info, float(info["seconds"]))
+    overrides = [THROTTLE, "trainer.plugins=[{_target_:preempt_faults.StallingCheckpointIO}]"]
+    info, text = _run_preempted(cluster, tmp_path, overrides, during=signal_then_kill_mid_save)
+    _report(capsys, "requeue signal, SIGKILL mid-save", info, float(info["seconds"]))
     _assert_finished_like_uninterrupted(info, text, tmp_path, uninterrupted, restarts=1)
+    ((who, step),) = SAVING.findall(text)
+    # scancel signals the tasks one after the other: at the boundary one rank may have it, and all stop there.
+    assert _only(who, "SIGUSR1") and LAST_EVERY <= int(step) < STEPS, text[-3000:]
     assert seen["bytes"] > 0 and "stalling" in text
     assert not (tmp_path / "hpc_ckpt_1.ckpt").exists()  # never renamed: nothing half-written under a final name
-    # The second start took the previous complete checkpoint, last.ckpt of step 10, and redid steps 11 to 14.
+    # The second start took the previous complete checkpoint (last.ckpt, of step 10 or 20) and redid the steps after.
     restored = re.findall(r"Restored all states from the checkpoint at (\S+)", text)
     assert restored == [str(tmp_path / "checkpoints" / "last.ckpt")]
 
