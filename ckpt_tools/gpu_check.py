@@ -110,6 +110,7 @@ FSDP2_FIT = {**FSDP_FIT, "name": "fsdp2", "strategy": "fsdp2", "memory": "device
 OFFLOAD_BUDGET = "0.25"
 DRY_OFFLOAD_BUDGET = "0.5"  # the dry run's tiny GPT: 0.25 is below the least peak any plan reaches there
 MiB = 2**20
+CUDA_TESTS = "cuda tests"  # the step that runs the tests needing CUDA, with the GPUs shown to them
 
 _ENV = r"""
 import importlib.metadata as md, importlib.util, json, platform, sys
@@ -268,7 +269,8 @@ def _pytest(ids: list[str] | tuple[str, ...], xml: Path, workers: int) -> list[s
 
 def _tests(run: Check, name: str, ids: list[str], workers: int) -> list[dict[str, Any]]:
     xml = run.work / f"{name.replace(' ', '_')}.xml"
-    run.run(name, _pytest(ids, xml, workers), "tests.log")
+    # The suite hides the GPUs from itself (tests/conftest.py) but where this is said: the CUDA tests' step.
+    run.run(name, _pytest(ids, xml, workers), "tests.log", {"CKPT_TEST_CUDA": "1"} if name == CUDA_TESTS else None)
     return junit(xml)
 
 
@@ -307,12 +309,15 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         test_groups = [("tests", [*cuda_ids, *core_files], 1)]
         bench_groups = [("bench", TABLE_MODES)]  # with --offload: one process (the imports cost seconds)
     else:
-        test_groups = [("cuda tests", cuda_ids, 1), ("core tests", list(core_files), args.workers)]
+        test_groups = [(CUDA_TESTS, cuda_ids, 1), ("core tests", list(core_files), args.workers)]
         # What the open issues measure first (offload, the fit steps), the older auto row after them.
         bench_groups = [("bench", BENCH_MODES), ("bench offload", ("none",)), ("bench fit", ("none",))]
         if envinfo and envinfo.get("cuda available"):
             bench_groups.append(("fsdp fit", ()))
         bench_groups.append(("bench auto", AUTO_MODES))
+    if args.only:  # a second call on the same machine: the steps that failed, without the others' minutes
+        test_groups = [g for g in test_groups if g[0] in args.only]
+        bench_groups = [g for g in bench_groups if g[0] in args.only]
     # What only a GPU can show comes first: the CUDA tests, then the bench; the core subset (CPU tests, which
     # the torch-range check also runs on CPU) takes what is left of the deadline.
     ran: list[dict[str, Any]] = []
@@ -379,6 +384,15 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def _steps(value: str) -> set[str]:
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = sorted(names - set(LIMITS) - {CUDA_TESTS})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no step named {', '.join(map(repr, unknown))}; the steps: "
+                                         f"{', '.join(sorted(set(LIMITS) - {'install', 'env', 'bandwidth', 'tests'}))}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ckpt_tools.gpu_check", description=__doc__.split("\n\n")[0],
@@ -397,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deadline", type=float, default=540.0,
                         help="seconds for the whole check; each step also has its own limit, and one cut by it "
                         "may take 20 s more to end (default: 540, so that it ends within 10 minutes, the device tool's per-call limit)")
+    parser.add_argument("--only", type=_steps, default=None,
+                        help="run only these steps (comma-separated names from the summary's steps table, e.g. "
+                        "'cuda tests,fsdp fit'); install, env and bandwidth always run")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist processes for the core subset")
     return parser
 

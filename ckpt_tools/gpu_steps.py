@@ -49,8 +49,9 @@ class Check:
     root: Path  # where each step runs
     steps: list[Step] = field(default_factory=list)
 
-    def run(self, name: str, command: list[str], log: str) -> Step:
-        """Run ``command`` in the repository root, output appended to ``out/log``, within its limit."""
+    def run(self, name: str, command: list[str], log: str, env: dict[str, str] | None = None) -> Step:
+        """Run ``command`` in the repository root, output appended to ``out/log``, within its limit; ``env``:
+        variables set for it alone."""
         left = self.deadline - time.monotonic()
         step = Step(name, command, log, max(0.0, min(self.limits[name], left)))
         self.steps.append(step)
@@ -62,7 +63,7 @@ class Check:
             f.flush()
             start = time.monotonic()
             # A session of its own, so that a step past its limit is ended with every process it started.
-            proc = subprocess.Popen(command, cwd=self.root, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(command, cwd=self.root, env=self.env | (env or {}), stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
                 step.returncode = proc.wait(timeout=step.limit_s)

@@ -113,17 +113,18 @@ def summary(results: dict[str, Any], table_modes: tuple[str, ...], fit: tuple[st
     engine = results.get("offload_engine")
     lines += offload_table({"gpt": engine}) if engine else ["Not measured (see the steps)."]
     lines += ["", "## Fit the device (ckpt.memory, ckpt.batch=max)", ""]
-    fit = results.get("fit")
-    if not fit:
+    fit_limit, fit_gpt = fit  # the argument; the measured row is `row`
+    row = results.get("fit")
+    if not row:
         lines.append("Not measured (see the steps)." if not results["dry_run"] else "Not run in a dry run.")
     else:
-        lines += [f"`ckpt-bench --fit {fit[0]}` on GPT({fit[1]}), bf16-mixed: the limit halfway between the least "
+        lines += [f"`ckpt-bench --fit {fit_limit}` on GPT({fit_gpt}), bf16-mixed: the limit halfway between the least "
                   "whole step and the one without checkpointing.", "",
                   "| limit (MiB) | batch | plan | predicted (MiB) | MemTracker (MiB) | max_memory_allocated (MiB) "
                   "| reserved (MiB) | allocated <= limit |", "|---:|---:|---|---:|---:|---:|---:|---|",
-                  f"| {_mib(fit['limit'])} | {fit['batch']} | {fit['plan']} | {_mib(fit['predicted'])} "
-                  f"| {_mib(fit['measured'])} | {_mib(fit.get('cuda_allocated'))} | {_mib(fit.get('cuda_reserved'))} "
-                  f"| {'yes' if (fit.get('cuda_allocated') or 0) <= fit['limit'] else 'NO'} |", "",
+                  f"| {_mib(row['limit'])} | {row['batch']} | {row['plan']} | {_mib(row['predicted'])} "
+                  f"| {_mib(row['measured'])} | {_mib(row.get('cuda_allocated'))} | {_mib(row.get('cuda_reserved'))} "
+                  f"| {'yes' if (row.get('cuda_allocated') or 0) <= row['limit'] else 'NO'} |", "",
                   "The allocator's overhead is max_memory_allocated against MemTracker's total, and what it reserved "
                   "against what it allocated."]
     lines += _sharded(results, "fsdp_fit", "Under FSDP (Lightning's FSDPStrategy, one GPU)", fsdp_fit)

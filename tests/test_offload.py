@@ -8,7 +8,6 @@ The stream/pinned-memory path is tested on CUDA only.
 
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 
@@ -23,12 +22,9 @@ from ckpt_plugin.engine.offload import NOTHING_TO_MOVE, NothingToMoveNotice, Off
 from ckpt_plugin.engine.offload_copies import Offloader
 from ckpt_plugin import apply_checkpointing
 
-_VISIBLE_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")  # before conftest's `_cpu_only` hides the GPUs
-
 
 def needs_cuda(test):
-    """Skip without CUDA; with it, let the test see the GPUs (see ``cuda_visible``)."""
-    test = pytest.mark.usefixtures("cuda_visible")(test)
+    """Skip without CUDA (conftest hides the GPUs unless CKPT_TEST_CUDA=1: the GPU check's CUDA tests)."""
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test)
 
 
@@ -36,16 +32,6 @@ class _CopyOnCPU(Offloading):
     """Copies CPU tensors as if CPU were the device: the real copy path, runnable without a GPU."""
 
     _in_host_memory = ()
-
-
-@pytest.fixture
-def cuda_visible(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Undo conftest's ``CUDA_VISIBLE_DEVICES=""`` for the CUDA tests: before CUDA is
-    initialised, ``torch.cuda.device_count()`` reads it through NVML and would see no GPU."""
-    if _VISIBLE_AT_IMPORT is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _VISIBLE_AT_IMPORT)
 
 
 def _grads(model: nn.Module, batch, context: AbstractContextManager | None = None) -> dict[str, torch.Tensor]:

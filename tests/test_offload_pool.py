@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import gpt_batch, small_gpt
-from test_offload import cuda_visible, needs_cuda  # noqa: F401 -- cuda_visible: the fixture needs_cuda uses
+from test_offload import needs_cuda
 from torch import nn
 from torch.nn import functional as F
 

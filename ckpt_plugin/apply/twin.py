@@ -110,8 +110,14 @@ class TwinSteps:
 def twin_sample(twin: Twin, sample: Sample, run: Callable[..., Any], step: Callable[[Any], Any] | None) -> Sample:
     """``sample`` for the twin: its call and batch as fake tensors of the twin's mode, ``run`` and ``step`` the
     twin's (``step`` None where the module's step is not measured: the call, summed)."""
+    def to_twin(t: torch.Tensor) -> torch.Tensor:
+        copy = twin.mode.from_tensor(t)
+        # The module may run its sample where it is (the CPU, before FSDP moves it); the twin runs where the
+        # strategy will: a fake copy moves there without memory.
+        return copy if twin.device is None or copy.device == twin.device else copy.to(twin.device)
+
     def fake(value: Any) -> Any:
-        return tree_map(lambda t: twin.mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, value)
+        return tree_map(lambda t: to_twin(t) if isinstance(t, torch.Tensor) else t, value)
 
     return Sample(fake(sample.call), run, fake(sample.batch), step if sample.step is not None else None)
 

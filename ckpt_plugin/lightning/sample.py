@@ -100,11 +100,13 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         return None
     finally:
         del iterator  # worker processes, if any, end here
-    # As the loop: the precision's dtype, on_before_batch_transfer, then to the device.
+    # As the loop: the precision's dtype, on_before_batch_transfer, then to the device. The module's device: the
+    # strategy's own once it has moved the module there; before (FSDP and FSDP2 plan in setup, the module still on
+    # the CPU) where the module is, so that it runs on the batch (the fake twin takes the batch to its own device).
     batch = trainer.precision_plugin.convert_input(batch)
     if hasattr(pl_module, "_on_before_batch_transfer"):  # the module's or the datamodule's hook, as Lightning picks
         batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, device=pl_module.device, dataloader_idx=0)
 
 
 class _Called(Exception):
