@@ -224,3 +224,19 @@ def test_the_fsdp2_fit_has_a_table_of_its_own(dry) -> None:
     table = summary({**results, "dry_run": False, "fsdp2_fit": record})
     section = table.split("## Under FSDP2")[1]
     assert "ckpt.memory=device" in section and "| 8.0 | 0 | 3.0 | 3.0 | 4.0 | yes |" in section
+
+
+def test_only_the_cuda_tests_step_shows_the_gpus_to_the_suite(tmp_path) -> None:
+    """tests/conftest.py hides the GPUs from the whole process unless CKPT_TEST_CUDA=1; the check sets it for the
+    CUDA tests' step and for no other (the first H200 run: hidden and shown per test, the CUDA tests all failed
+    with "No CUDA GPUs are available")."""
+    import time
+
+    from ckpt_tools.gpu_check import CUDA_TESTS, LIMITS, _tests
+    from ckpt_tools.gpu_steps import Check
+
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import os\n\ndef test_shown():\n    assert os.environ.get('CKPT_TEST_CUDA') == '1'\n")
+    run = Check(tmp_path, tmp_path, dict(os.environ), time.monotonic() + 120, LIMITS, tmp_path)
+    outcomes = {name: [r["outcome"] for r in _tests(run, name, [str(probe)], 1)] for name in (CUDA_TESTS, "core tests")}
+    assert outcomes == {CUDA_TESTS: ["passed"], "core tests": ["failed"]}

@@ -291,7 +291,8 @@ def test_cuda_tiny_tensors_stay_big_ones_go_to_pinned_memory():
     off = offloading(min_bytes=1024, offloader=Offloader(ahead=0))  # ahead=0: the copy leaves the device at once
     tiny = torch.randn(16, device="cuda") * 2  # 64 bytes
     big = torch.randn(64, 64, device="cuda") * 2  # 16 KiB
-    assert off._pack(tiny) is tiny
+    kept = off._pack(tiny)  # kept on the device: the same storage, detached (offload.py's _keep, pytorch#115255)
+    assert kept.is_cuda and kept.data_ptr() == tiny.data_ptr() and off._unpack(kept) is kept
     packed = off._pack(big)
     copy = packed[0]
     assert copy.host.device.type == "cpu" and copy.host.is_pinned()

@@ -183,3 +183,33 @@ def test_a_step_that_calls_a_child_plans_for_a_budget_and_for_a_memory(net, tmp_
     measured, predicted = memory.step_watch.measured.peak, memory.step_watch.predicted.peak
     assert memory.wrapped and measured <= limit, (measured, predicted, limit, memory.step_watch.measured, memory.step_watch.predicted)
     assert abs(measured - predicted) <= 0.01 * predicted, (measured, predicted)
+
+
+def test_the_sample_goes_where_the_weights_are_while_lightning_says_the_strategy_s_device(tmp_path) -> None:
+    """In the setup hook Lightning sets ``LightningModule.device`` to the strategy's device before the strategy has
+    moved the module (``_call_setup_hook``): on a GPU under FSDP, cuda:0 with the weights still on the CPU, where
+    ckpt=auto plans. The first batch goes where the weights are, or the planner's forward cannot run on it (the
+    first GPU run's FSDP fit). Here the device Lightning names is ``meta``, as far from the weights as cuda:0."""
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_plugin.lightning.sample import first_batch, sample_call
+
+    seen: dict[str, torch.device] = {}
+
+    class AsOnAGpu(Callback):
+        def setup(self, trainer, pl_module, stage) -> None:
+            for module in pl_module.modules():
+                module._device = torch.device("meta")  # what _call_setup_hook does with the strategy's device
+            x, _ = first_batch(trainer, pl_module)
+            pl_module.example_input_array = torch.zeros(2, WIDTH)
+            (args, _kwargs) = sample_call(trainer, pl_module)
+            seen.update(batch=x.device, example=args[0].device, said=pl_module.device)
+            for module in pl_module.modules():
+                module._device = torch.device("cpu")
+            pl_module.example_input_array = None
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=1, accelerator="cpu", logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[AsOnAGpu()])
+    trainer.fit(ChildNet())
+    assert seen == {"batch": torch.device("cpu"), "example": torch.device("cpu"), "said": torch.device("meta")}

@@ -51,7 +51,7 @@ def sample_call(trainer: pl.Trainer, pl_module: pl.LightningModule, *, from_batc
     example = pl_module.example_input_array
     if example is not None:
         # To the device, then to the precision's dtype (64-true), as the loop does with a batch.
-        return call_args(trainer.precision_plugin.convert_input(move_data_to_device(example, pl_module.device)))
+        return call_args(trainer.precision_plugin.convert_input(move_data_to_device(example, where_it_runs(pl_module))))
     if not from_batch:
         return None
     with random_state_kept():
@@ -100,13 +100,25 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         return None
     finally:
         del iterator  # worker processes, if any, end here
-    # As the loop: the precision's dtype, on_before_batch_transfer, then to the device. The module's device: the
-    # strategy's own once it has moved the module there; before (FSDP and FSDP2 plan in setup, the module still on
-    # the CPU) where the module is, so that it runs on the batch (the fake twin takes the batch to its own device).
+    # As the loop: the precision's dtype, on_before_batch_transfer, then to the device the module runs on.
     batch = trainer.precision_plugin.convert_input(batch)
     if hasattr(pl_module, "_on_before_batch_transfer"):  # the module's or the datamodule's hook, as Lightning picks
         batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-    return trainer.strategy.batch_to_device(batch, device=pl_module.device, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, device=where_it_runs(pl_module), dataloader_idx=0)
+
+
+def where_it_runs(pl_module: pl.LightningModule) -> torch.device:
+    """Where the module's own tensors are: the device a sample of it must be on to run it now.
+
+    Not ``pl_module.device`` in the setup hook, where FSDP and FSDP2 plan: Lightning sets that to the strategy's
+    device before the strategy has moved the module (``trainer/call.py``, ``_call_setup_hook``), and FSDP moves
+    it there only when it shards it (the first GPU run: the profile's forward met a batch on cuda:0 and weights on
+    the CPU). The fake twin takes the sample to the strategy's device itself (``apply/twin.py``).
+    """
+    for t in (*pl_module.parameters(), *pl_module.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return pl_module.device
 
 
 class _Called(Exception):
@@ -164,4 +176,4 @@ def training_call(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any
     return None
 
 
-__all__ = ["first_batch", "random_state_kept", "sample_call", "train_dataloader", "training_call"]
+__all__ = ["first_batch", "random_state_kept", "sample_call", "train_dataloader", "training_call", "where_it_runs"]
