@@ -58,7 +58,9 @@ def strategy_of(name: str) -> Any:
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
     if name.startswith("deepspeed_zero"):  # deepspeed_zero3_bf16: its precision, the Trainer's (fit)
-        return CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]))
+        # _buckets: reduce buffers of 1e4 elements (Lightning's default, 2e8, is 1.6 GB of them with overlap_comm)
+        buckets = dict(reduce_bucket_size=10_000, allgather_bucket_size=10_000) if "_buckets" in name else {}
+        return CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]), **buckets)
     return name
 
 
@@ -105,7 +107,8 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
         callback = ActivationCheckpointing(layers="TransformerBlock", **keys)
         callbacks.insert(0, callback)
     precision = "bf16-mixed" if strategy.endswith("_bf16") else "32-true"
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_of(strategy), max_steps=1, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_of(strategy), logger=False,
+                         max_steps=2 if keys and "memory" in keys else 1,  # ckpt.memory's check: the second step
                          precision=precision,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks, default_root_dir=out)
@@ -138,6 +141,10 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
                       if callback and callback.planned else None,
                       plan=callback.state_dict().get("plan") if callback else None,
                       plan_path=str(callback.plan_path) if callback and callback.plan_path else None)
+        watch = callback.step_watch if callback else None
+        if watch is not None and watch.measured is not None:  # ckpt.memory: the second step, predicted and measured
+            result.update(limit=watch.limit, predicted=watch.predicted.peak, measured=watch.measured.peak,
+                          split=str(watch.measured), peaks=watch.measured.peaks)
         torch.save(full_parameters(trainer, net), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     return trainer

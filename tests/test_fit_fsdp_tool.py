@@ -1,8 +1,9 @@
 """``python -m ckpt_tools.fit_fsdp``: under FSDP and FSDP2 (2 gloo ranks), ckpt.memory's plan, predicted on rank 0's
-fake twin, runs a real sharded whole step within its limit on every rank; ckpt.batch=max's batch is the one real
-sharded steps at every size find.
+fake twin, runs a real sharded whole step within its limit on every rank; under DeepSpeed ZeRO-2 the same, predicted
+by the rank's model (ckpt_plugin/apply/zero.py, an upper bound within 5 %: issue #43); ckpt.batch=max's batch is
+the one real sharded steps at every size find.
 
-One run of the tool's ``main`` (both strategies in one launch; the quick ResNet: BatchNorm's buffers, a unit per
+One run of the tool's ``main`` (the three strategies in one launch; the quick ResNet: BatchNorm's buffers, a unit per
 Bottleneck; the middle limit; the batch search), its JSON read. Bytes are exact; timings are never asserted.
 """
 
@@ -21,12 +22,12 @@ from ckpt_tools.fit_fsdp import main, through
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
     out = tmp_path_factory.mktemp("fit_fsdp") / "fit.json"
-    status = main(["--quick", "--models", "resnet", "--fractions", "0.5", "--batch", "--strategy", "fsdp,fsdp2",
-                   "--out", str(out)])
+    status = main(["--quick", "--models", "resnet", "--fractions", "0.5", "--batch", "--strategy",
+                   "fsdp,fsdp2,deepspeed_stage_2", "--out", str(out)])
     return status, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "deepspeed_stage_2"])
 def test_every_rank_runs_the_plan_within_its_limit_as_predicted(checked, strategy: str) -> None:
     status, found = checked
     [row] = [r for r in found["limits"] if r["strategy"] == strategy]
@@ -34,17 +35,21 @@ def test_every_rank_runs_the_plan_within_its_limit_as_predicted(checked, strateg
     [step] = [s for s in found["steps"] if s["strategy"] == strategy]
     assert step["wmin"] < row["limit"] < step["w0"]  # the middle limit needs checkpointing
     assert all(measured <= row["limit"] for measured in row["ranks"]), row
-    assert abs(row["predicted"] / row["measured"] - 1) <= TOLERANCE, row  # the larger rank's: rank 0's twin
+    if strategy.startswith("deepspeed"):  # modelled: an upper bound of every rank's, within 5 % of the larger
+        assert row["measured"] <= row["predicted"] <= 1.05 * row["measured"], row
+    else:
+        assert abs(row["predicted"] / row["measured"] - 1) <= TOLERANCE, row  # the larger rank's: rank 0's twin
     assert status == 0
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2", "deepspeed_stage_2"])
 def test_the_batch_search_on_the_twin_finds_what_real_sharded_steps_find(checked, strategy: str) -> None:
     _, found = checked
     [row] = [r for r in found["batch"] if r["strategy"] == strategy]
     real = {int(b): peak for b, peak in row["real"].items()}
     assert all(real[b] <= row["limit"] for b in range(1, row["exhaustive"] + 1)), row
     assert real[row["exhaustive"] + 1] > row["limit"], row
+    # ZeRO's step is modelled from above (issue #43: the exhaustive search's batch, or one below it); here equal
     assert row["chosen"] == row["exhaustive"] > 1, row
 
 

@@ -21,6 +21,15 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 
 
+def _by_category(snapshot: dict[Any, int]) -> dict[str, int]:
+    """A device's snapshot keyed by MemTracker's category values, lower case (``gradient``), and ``total``."""
+    return {getattr(key, "value", str(key)).lower(): value for key, value in snapshot.items()}
+
+
+def _grads(snapshot: dict[Any, int]) -> int:
+    return sum(value for key, value in snapshot.items() if getattr(key, "value", "") == "Gradient")
+
+
 class CategoryPeakTracker(MemTracker):
     """``MemTracker`` that also records each category's own peak over the step.
 
@@ -33,6 +42,12 @@ class CategoryPeakTracker(MemTracker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.category_peaks: dict[str, int] = {}
+        # Two more moments, for a strategy whose step differs from this process's (DeepSpeed ZeRO, apply/zero.py):
+        # the categories where the total less the gradients peaked outside the optimizer's step (gradients that
+        # leave for a reduce bucket as backward makes them), and where the total peaked inside it.
+        self.gradless_peak: dict[str, int] = {}
+        self.optimizer_peak: dict[str, int] = {}
+        self.gradless_at: dict[int, int] = {}  # in backward: gradient bytes alive -> the most the rest held then
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # MemTracker files what backward makes as temporaries, except inside a recomputation
@@ -85,3 +100,13 @@ class CategoryPeakTracker(MemTracker):
                 name = getattr(key, "name", str(key)).lower()
                 if value > self.category_peaks.get(name, 0):
                     self.category_peaks[name] = value
+            if self._in_opt:
+                if total > self.optimizer_peak.get("total", 0):
+                    self.optimizer_peak = _by_category(dev_snap)
+            else:
+                grads = _grads(dev_snap)
+                if total - grads > self.gradless_peak.get("total", 0) - self.gradless_peak.get("gradient", 0):
+                    self.gradless_peak = _by_category(dev_snap)
+                if self._mod_tracker.is_bw and total - grads > self.gradless_at.get(grads, 0):  # (in forward: the
+                    # last step's gradients, which Lightning's zero_grad frees only after training_step)
+                    self.gradless_at[grads] = total - grads

@@ -47,6 +47,7 @@ from ckpt_plugin.lightning.sample import (
     train_dataloader,
 )
 from ckpt_plugin.lightning.step import STEP, step_loss
+from ckpt_plugin.lightning.zero import is_deepspeed, tracked, zero_steps
 from ckpt_plugin.measure.contained import contained
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 from ckpt_plugin.units import format_bytes
@@ -99,6 +100,9 @@ def memory_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
     optimizers = list(trainer.optimizers) if twin is None else twin.optimizers
     held = tuple(h for h in (strategy_held(trainer, pl_module),) if h is not None)
     steps = _twin_steps(trainer, twin, sample, held) if twin is not None and sample is not None else None
+    if steps is None and sample is not None and is_deepspeed(trainer.strategy):  # a ZeRO-1/2 rank's, modelled
+        steps = zero_steps(trainer, pl_module, sample, held)
+        optimizers = list(steps.steps.optimizers)
     chains = twin is None or twin.regions_allowed(candidates(pl_module, config))  # a layer its own unit: no region
     said = [] if sample is None or sample.step is not None else [
         "  (the whole step measured runs the module's call and sums its output: "
@@ -164,7 +168,8 @@ def strategy_held(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Held | 
     the allocator holds them throughout.
     """
     strategy = trainer.strategy
-    if trainer.world_size < 2 or not isinstance(strategy, DDPStrategy):
+    if trainer.world_size < 2 or not isinstance(strategy, DDPStrategy) or is_deepspeed(strategy):  # (DeepSpeed's
+        # strategy is a DDPStrategy to Lightning; its buffers are the ZeRO model's: zero.py)
         return None
     if getattr(strategy, "_ddp_kwargs", {}).get("gradient_as_bucket_view", False):  # Lightning keeps DDP's kwargs
         return None
@@ -214,9 +219,10 @@ class StepWatch:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._tracker = CategoryPeakTracker()
-        self._tracker.track_external(pl_module, *optimizers)
-        self._tracker.__enter__()
+        tracker = CategoryPeakTracker()
+        tracker.track_external(pl_module, *tracked(optimizers))
+        tracker.__enter__()
+        self._tracker = tracker  # entered: abandon() may leave it
 
     def stop(self, pl_module: pl.LightningModule) -> str | None:
         """The line that compares the step measured with the one predicted; None if it was not started."""

@@ -28,12 +28,7 @@ from ckpt_plugin.engine.deepspeed import configure
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.lightning.fsdp import plans_on_a_twin
-
-
-def _is_deepspeed(strategy: Any) -> bool:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    return isinstance(strategy, DeepSpeedStrategy)
+from ckpt_plugin.lightning.zero import is_deepspeed, zero_refused
 
 
 def already_checkpointed(model: nn.Module) -> list[str]:
@@ -58,7 +53,7 @@ def prepare(strategy: Any, model: nn.Module, config: Any) -> None:
             "under every strategy), or choose ckpt=none",
         )])
     settings = getattr(config, "deepspeed", None)
-    deepspeed = _is_deepspeed(strategy)
+    deepspeed = is_deepspeed(strategy)
     if settings is not None and not deepspeed:
         raise ConfigError([Problem(
             "ckpt.deepspeed",
@@ -121,7 +116,7 @@ def sharded_parameters(strategy: Any) -> str | None:
 def plans_before_wrapping(strategy: Any) -> bool:
     """Whether ``ckpt=auto`` plans in the callback's ``setup``, on the module whole, before the strategy shards it
     or hooks its parameters: FSDP and FSDP2 (each whole step on a fake twin, ``fsdp.py``) and DeepSpeed."""
-    return plans_on_a_twin(strategy) or _is_deepspeed(strategy)
+    return plans_on_a_twin(strategy) or is_deepspeed(strategy)
 
 
 def _deepspeed_name(strategy: Any) -> str:
@@ -139,23 +134,16 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
     (``callback.py``), before the strategy shards or hooks anything, and under ModelParallelStrategy before the
     module's configure_model shards it with FSDP2. Under DeepSpeed that plans the activations (``ckpt.budget``):
     a ZeRO rank's forward runs each layer with its parameters whole, as the module's forward runs it. Its whole
-    step (``ckpt.memory``, ``ckpt.batch=max``) is not modelled yet: refused. A given plan (ckpt.plan) runs no
-    profile: allowed.
+    step (``ckpt.memory``, ``ckpt.batch=max``) is modelled for ZeRO-1 and 2 in 32-bit precision (``zero.py``), the
+    rest refused there, naming the key. A given plan (ckpt.plan) runs no profile: allowed.
     """
-    if not isinstance(config, AutoConfig) or config.plan is not None or not _is_deepspeed(strategy):
+    if not isinstance(config, AutoConfig) or config.plan is not None or not is_deepspeed(strategy):
         return None
     name = _deepspeed_name(strategy)
     if config.read_memory is not None:
-        return ConfigError([Problem(
-            "ckpt.memory",
-            f"ckpt.memory={config.memory} cannot be planned under trainer.strategy {name}: the whole step of a ZeRO "
-            "rank (its partitions of the parameters, gradients and optimizer state, its buckets) is not modelled "
-            "yet; of the sharded strategies ckpt.memory plans under Lightning's FSDPStrategy (FSDP v1) and "
-            "ModelParallelStrategy (FSDP2)",
-            "here plan the activations with ckpt.budget (a fraction of the activation peak without "
-            "checkpointing, a size, or min; rank 0 plans before DeepSpeed wraps the module), give a plan file "
-            "with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
-        )])
+        return zero_refused(strategy, "ckpt.memory", config.memory)
+    if config.batch == "max":
+        return zero_refused(strategy, "ckpt.batch", config.batch)
     budget, precision = config.read_budget, str(getattr(strategy.precision_plugin, "precision", "32-true"))
     if budget is not None and budget.bytes is not None and precision not in ("32-true", "32", "64-true", "64"):
         return ConfigError([Problem(
@@ -176,7 +164,7 @@ def fake_step_refused(strategy: Any, backward: bool) -> str | None:
     name = sharded_parameters(strategy)
     if name is not None:
         return f"under {name}: the report's step on fake tensors would run into the parameters it shards"
-    if backward and _is_deepspeed(strategy):
+    if backward and is_deepspeed(strategy):
         name = _deepspeed_name(strategy)
         return f"under {name}: its gradient hooks would take the fake gradients of the report's step"
     return None

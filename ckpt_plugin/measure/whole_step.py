@@ -69,6 +69,17 @@ class StepSplit:
     # batch and the allocator's rounding to its blocks) and what it had reserved from the device at the end.
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
+    # Two more moments of the step, by category (and "total"), for a strategy whose step differs from this
+    # process's (DeepSpeed ZeRO: apply/zero.py): where the total less the gradients peaked outside the optimizer's
+    # step, and where the total peaked inside it.
+    gradless: dict[str, int] = field(default_factory=dict)
+    in_optimizer: dict[str, int] = field(default_factory=dict)
+    gradless_at: dict[int, int] = field(default_factory=dict)  # gradient bytes alive -> the most the rest held
+
+    def gradless_after(self, gradients: int) -> int:
+        """The most the step held besides its gradients, outside the optimizer's step, once ``gradients`` bytes of
+        them had been made (backward makes them in turn): 0 if never."""
+        return max((rest for made, rest in self.gradless_at.items() if made >= gradients), default=0)
 
     def share(self, category: str) -> int:
         return self.at_peak.get(category, 0)
@@ -155,7 +166,9 @@ def split_of(tracker: CategoryPeakTracker) -> StepSplit:
             if name != "total":
                 at_peak[name] = at_peak.get(name, 0) + value
     total = sum(s.get("Total", 0) for s in snapshot.values())
-    return StepSplit(total, {c: at_peak.get(c, 0) for c in CATEGORIES}, dict(tracker.category_peaks))
+    return StepSplit(total, {c: at_peak.get(c, 0) for c in CATEGORIES}, dict(tracker.category_peaks),
+                     gradless=dict(tracker.gradless_peak), in_optimizer=dict(tracker.optimizer_peak),
+                     gradless_at=dict(tracker.gradless_at))
 
 
 @contextlib.contextmanager

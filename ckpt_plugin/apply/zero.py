@@ -1,0 +1,131 @@
+"""One DeepSpeed ZeRO-1/2 rank's whole step, from the module's own step measured on fake tensors (issue #43).
+
+DeepSpeed's engine cannot be built on fake tensors, so its step is not measured: it is modelled, term by term,
+from what the module's step (``measure/whole_step.py``, one process, as under DDP) measured and what the
+DeepSpeed config says. What a rank holds (DeepSpeed 0.19, ``runtime/zero/stage_1_and_2.py``; the
+parameters, the gradients and the optimizer's state in float32):
+
+- the parameters, whole on every rank: views of one flat buffer per parameter group (measured);
+- its partition of each group (``ceil(numel / world)`` elements): a float32 master copy the optimizer steps,
+  that copy's gradient, and the partition's reduced gradients (``grads_in_partition``, made at the first
+  reduce and kept): three partitions' bytes (modelled);
+- the optimizer's state on its partition alone: the module's state over the world size (measured, divided);
+- while backward runs, the reduce buffer (``contiguous_gradients``): ``reduce_bucket_size`` elements of the
+  gradients' dtype, two with ``overlap_comm`` (modelled from the config); each gradient is copied into it as
+  backward makes it, so the gradients never all live at once: backward's peak is the module's, less its
+  gradients (``StepSplit.gradless``: measured);
+- in the optimizer's step, its temporaries on the partition (measured, divided).
+
+Measured with 2 gloo ranks (the example GPT, 216,448 parameters, AdamW and SGD, ZeRO-1 and 2,
+``reduce_bucket_size`` 5e4 and 5e5, ``overlap_comm`` on and off): every live storage at the second step's start
+and peak; the model above was within 0.2 % of each (``docs/strategies.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ckpt_plugin.apply.memory import ModuleSteps
+from ckpt_plugin.measure.whole_step import Held, StepSplit
+from ckpt_plugin.engine.plan import WrapPlan
+
+FLOAT32 = 4  # bytes: the master copy, its gradient, the optimizer's state
+
+
+@dataclass(frozen=True)
+class Zero:
+    """What a ZeRO-1/2 rank's step depends on, from the DeepSpeed config (``lightning/zero.py`` reads it)."""
+
+    stage: int
+    world: int
+    reduce_bucket_size: int  # elements
+    overlap_comm: bool
+    grad_bytes: int = FLOAT32  # the gradients' element size (the reduce buffer's dtype)
+
+    @property
+    def buffers(self) -> Held:
+        count = 2 if self.overlap_comm else 1
+        return Held(self.reduce_bucket_size * self.grad_bytes * count,
+                    f"DeepSpeed's reduce buffer{'s' if count > 1 else ''} ({count} x reduce_bucket_size="
+                    f"{self.reduce_bucket_size:g} elements)")
+
+    def partitions(self, groups: Sequence[int]) -> int:
+        """Elements of this rank's partition: each parameter group's flat buffer split over the world."""
+        return sum(math.ceil(numel / self.world) for numel in groups)
+
+
+def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int = 0) -> StepSplit:
+    """A ZeRO-1/2 rank's whole step, from ``split`` (the module's step on fake tensors, its optimizers stepping
+    the whole module, its held bytes: the batch), ``groups`` (elements of each parameter group trained) and
+    ``largest`` (the elements of the largest parameter trained). The larger rank's: an upper bound of each."""
+    back, opt = split.gradless, split.in_optimizer
+    state = back.get("optstate", 0)  # the optimizer's state alive through forward and backward: the whole module's
+    partition = zero.partitions(groups) * FLOAT32
+    persistent = {"parameter": back.get("parameter", 0) + back.get("buffer", 0), "gradient": 2 * partition,
+                  "optstate": partition + math.ceil(state / zero.world)}
+    # grads_in_partition, made again each step at the first bucket of this rank's partition that backward
+    # reduces, and kept through the optimizer's step: the partition and the parameter that straddles its edge.
+    # With more gradients than one bucket holds, that is mid-backward on the rank whose partition holds the last
+    # layers (activations still alive); with one bucket, at backward's end on every rank.
+    reduced = partition + largest * zero.grad_bytes
+    # Backward copies each gradient into the reduce buffer as it is made: one (up to the largest) is in hand
+    # besides the buffer.
+    in_hand = largest * zero.grad_bytes
+    backward = {**persistent, "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
+                "other": back.get("other", 0)}
+    # What the module's backward held besides its gradients once a bucket's worth of them was made (0 when they
+    # fit one bucket: reduced at the end), less what the rank holds otherwise (its parameters and state).
+    late = split.gradless_after(zero.reduce_bucket_size * zero.grad_bytes)
+    late -= back.get("parameter", 0) + back.get("buffer", 0) + state
+    if late > 0 and late + reduced + in_hand > sum(backward.values()) - sum(persistent.values()):
+        backward = {**persistent, "temp": late + reduced + in_hand}
+    # Backward's epilogue flattens the last bucket into a tensor of its own (up to the bucket's size, or every
+    # gradient's), which the collective holds until it completes: on gloo it was still alive when
+    # grads_in_partition was made in 1 run in 5 (docs/strategies.md). Both are counted.
+    flat = min(zero.reduce_bucket_size, sum(groups)) * zero.grad_bytes
+    epilogue = {**persistent, "temp": flat + reduced}
+    temporaries = max(opt.get("optstate", 0) - state, 0)  # the optimizer's own, on the partition alone
+    stepping = {**persistent, "optstate": persistent["optstate"] + math.ceil(temporaries / zero.world),
+                "activation": opt.get("activation", 0), "temp": opt.get("temp", 0) + reduced,
+                "other": opt.get("other", 0)}
+    at_peak = max(backward, epilogue, stepping, key=lambda c: sum(c.values()))
+    total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + zero.buffers.bytes
+    return replace(split, peak=total, at_peak={c: at_peak.get(c, 0) for c in split.at_peak} | at_peak,
+                   held=(*split.held, zero.buffers), cuda_allocated=None, cuda_reserved=None)
+
+
+@dataclass(frozen=True)
+class ZeroSteps:
+    """``ckpt.memory``'s whole step (``apply/memory.WholeSteps``) of one ZeRO-1/2 rank: the module's own step
+    (``steps``, on fake tensors), as :func:`rank_step` models the rank's."""
+
+    steps: ModuleSteps
+    zero: Zero
+    groups: tuple[int, ...]
+    largest: int = 0  # elements of the largest parameter trained
+
+    def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
+        return rank_step(self.steps.of(plan, rows), self.zero, self.groups, self.largest)
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.steps.device
+
+
+def trained_groups(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> tuple[int, ...]:
+    """Elements of each parameter group DeepSpeed flattens: the optimizers' groups' trained parameters (the
+    module's trained parameters as one group where no optimizer is given)."""
+    groups = [sum(p.numel() for p in g["params"] if p.requires_grad) for o in optimizers for g in o.param_groups]
+    return tuple(n for n in groups if n) or (sum(p.numel() for p in model.parameters() if p.requires_grad),)
+
+
+def largest_trained(model: torch.nn.Module) -> int:
+    """Elements of the largest parameter that trains (0: none)."""
+    return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+
+
+__all__ = ["Zero", "ZeroSteps", "largest_trained", "rank_step", "trained_groups"]

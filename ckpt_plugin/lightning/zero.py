@@ -1,0 +1,119 @@
+"""``ckpt.memory`` and ``ckpt.batch=max`` under Lightning's ``DeepSpeedStrategy``, ZeRO-1 and 2: the rank's whole
+step modelled from the module's own (``apply/zero.py``), the terms read from the strategy's DeepSpeed config.
+
+What is not modelled yet is refused on every rank in ``setup``, naming the key: ZeRO-3 (its live parameters,
+prefetch and persistence thresholds), offload of the optimizer or the parameters, ``contiguous_gradients=false``
+(gradients that stay whole until their bucket is reduced), and a precision other than 32-bit (the float32 master
+copy beside 16-bit parameters, activations measured at the wrong width: rank 0 plans before DeepSpeed casts the
+module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ckpt_plugin.apply.batch import Sample
+from ckpt_plugin.apply.memory import ModuleSteps
+from ckpt_plugin.apply.zero import Zero, ZeroSteps, largest_trained, trained_groups
+from ckpt_plugin.errors import ConfigError, Problem
+from ckpt_plugin.measure.whole_step import Held
+
+# DeepSpeed's own defaults where the config leaves a key out (deepspeed/runtime/zero/config.py, 0.19): Lightning's
+# DeepSpeedStrategy writes every key (reduce_bucket_size 2e8, overlap_comm and contiguous_gradients on); a config
+# file given to it (``config=``) may not.
+_DEFAULTS = {"reduce_bucket_size": 500_000_000, "overlap_comm": False, "contiguous_gradients": True}
+_FP32 = ("32-true", "32")
+
+
+def is_deepspeed(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's ``DeepSpeedStrategy`` (a ``DDPStrategy`` to Lightning)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return isinstance(strategy, DeepSpeedStrategy)
+
+
+def _section(strategy: Any) -> dict[str, Any]:
+    return dict(strategy.config.get("zero_optimization") or {})
+
+
+def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
+    """The error for ``key=value`` (``ckpt.memory`` or ``ckpt.batch``) under ``strategy``'s ZeRO where its whole
+    step is not modelled yet, else None."""
+    zero = _section(strategy)
+    stage = int(zero.get("stage", 0))
+    precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
+    name = f"{type(strategy).__name__} (ZeRO stage {stage})"
+    why, what = None, ""
+    if stage not in (1, 2):
+        why = (f"ZeRO stage {stage}'s rank step is not modelled yet (stage 3: its live parameters, "
+               "stage3_max_live_parameters, stage3_prefetch_bucket_size, stage3_param_persistence_threshold)")
+        what = "zero_optimization.stage"
+    elif any(str((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")):
+        why, what = "offload to host memory is not modelled yet", "zero_optimization.offload_optimizer"
+    elif not zero.get("contiguous_gradients", _DEFAULTS["contiguous_gradients"]):
+        why = ("with contiguous_gradients=false the gradients stay whole until their bucket is reduced: not "
+               "modelled yet")
+        what = "zero_optimization.contiguous_gradients"
+    elif precision not in _FP32:
+        why = (f"with precision {precision} the float32 master copy and 16-bit parameters and activations are "
+               "not modelled yet (rank 0 plans before DeepSpeed casts the module)")
+        what = "trainer.precision"
+    if why is None:
+        return None
+    return ConfigError([Problem(
+        key,
+        f"{key}={value} cannot be planned under trainer.strategy {name}: {why} ({what}); under DeepSpeed "
+        "ckpt.memory and ckpt.batch=max plan ZeRO-1 and ZeRO-2 in 32-bit precision, their buffers from the config",
+        "here plan the activations with ckpt.budget (a fraction of the activation peak without checkpointing, or "
+        "min), give a plan file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, "
+        "ckpt=offload)",
+    )])
+
+
+def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sample,
+               held: tuple[Held, ...]) -> ZeroSteps:
+    """The rank's whole step under ``trainer.strategy`` (ZeRO-1/2, refused otherwise by :func:`zero_refused`):
+    the module's own step on fake tensors, its ``configure_optimizers`` stepping it, as :mod:`apply.zero` models
+    the rank's."""
+    from lightning.pytorch.core.optimizer import (
+        _init_optimizers_and_lr_schedulers,  # private to Lightning: configure_optimizers, as the Trainer reads it
+    )
+
+    section = _section(trainer.strategy)
+    optimizers = list(_init_optimizers_and_lr_schedulers(pl_module)[0])  # the Trainer builds its own later
+    zero = Zero(stage=int(section["stage"]), world=trainer.world_size,
+                reduce_bucket_size=int(float(section.get("reduce_bucket_size", _DEFAULTS["reduce_bucket_size"]))),
+                overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
+    steps = ModuleSteps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)))
+    return ZeroSteps(steps, zero, trained_groups(optimizers, pl_module), largest_trained(pl_module))
+
+
+def tracked(optimizers: Sequence[Any]) -> list[Any]:
+    """What MemTracker is given to follow of ``optimizers``, which under DeepSpeed are its ZeRO optimizer: not a
+    torch optimizer (MemTracker refuses it), but it holds one (``.optimizer``, over the fp32 partitions) and the
+    tensors of its own (the flat parameters, the partitions, ``grads_in_partition``): those, found in its
+    attributes, as the version of DeepSpeed names them."""
+    out: list[Any] = []
+    for optimizer in optimizers:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            out.append(optimizer)
+            continue
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            out.append(inner)
+        for value in vars(optimizer).values():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+            for item in items:
+                for t in (item if isinstance(item, list | tuple) else [item]):
+                    if isinstance(t, torch.Tensor):
+                        out.append(t)
+                        if t.grad is not None:
+                            out.append(t.grad)
+    return out
+
+
+__all__ = ["is_deepspeed", "tracked", "zero_refused", "zero_steps"]

@@ -1,0 +1,95 @@
+"""DeepSpeed ZeRO-1/2 for ``python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_1,deepspeed_stage_2``: rank 0's
+prediction (the module's step on fake tensors, modelled as a rank's: ``ckpt_plugin/apply/zero.py``) and every
+rank's real step (a DeepSpeed engine over gloo on the CPU, its second step measured with MemTracker, DeepSpeed's
+own tensors followed as the callback follows them).
+
+The config is the one the model's terms read: fp32, ``contiguous_gradients`` and ``overlap_comm`` on (Lightning's
+defaults), ``reduce_bucket_size`` :data:`BUCKET` elements (Lightning's default, 2e8, would be 1.6 GB of buffers
+on every rank whatever the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt_plugin._compat import CategoryPeakTracker
+from ckpt_plugin.apply.batch import Sample
+from ckpt_plugin.apply.install import install_plan
+from ckpt_plugin.apply.memory import ModuleSteps
+from ckpt_plugin.apply.zero import Zero, ZeroSteps, largest_trained, trained_groups
+from ckpt_plugin.engine.plan import WrapPlan
+from ckpt_plugin.engine.side_effects import cache_warnings_silenced
+from ckpt_plugin.lightning.zero import tracked
+from ckpt_plugin.measure.sample import scalar
+from ckpt_plugin.measure.whole_step import StepSplit, split_of
+
+BUCKET = 50_000  # reduce_bucket_size and allgather_bucket_size, elements (400 KB of buffers with overlap_comm)
+STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2}
+
+
+def zero_of(strategy: str) -> Zero:
+    return Zero(stage=STAGES[strategy], world=dist.get_world_size(), reduce_bucket_size=BUCKET, overlap_comm=True)
+
+
+def predicted_steps(strategy: str, model: nn.Module, sample: Sample,
+                    make: Callable[[Any], torch.optim.Optimizer]) -> ZeroSteps:
+    """Rank 0's: the module's whole step on fake tensors (``make`` its optimizer), as a ZeRO rank's."""
+    optimizer = make(model.parameters())
+    steps = ModuleSteps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),))
+    return ZeroSteps(steps, zero_of(strategy), trained_groups([optimizer], model), largest_trained(model))
+
+
+def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -> tuple[Any, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    rank = dist.get_rank()  # what DeepSpeed's launcher would have set: one process per rank on this machine
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()))
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tests/cpu_strategies.py: not needed
+    deepspeed.init_distributed("gloo")  # the default group is up already: DeepSpeed's comm wraps it
+    zero = {"stage": STAGES[strategy], "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
+            "overlap_comm": True, "contiguous_gradients": True}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 2**31 - 1}
+    engine, ds_optimizer, _, _ = deepspeed.initialize(
+        args=argparse.Namespace(device_rank=rank),  # CPU devices have no index (as tests/cpu_strategies.py)
+        model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return engine, ds_optimizer
+
+
+def real_step(strategy: str, make_sample: Callable[[nn.Module], Sample], pristine: nn.Module, plan: WrapPlan,
+              make: Callable[[Any], torch.optim.Optimizer], batch: int | None = None) -> StepSplit:
+    """This rank's real whole step: a copy of ``pristine`` with ``plan`` installed, in a DeepSpeed engine, at
+    ``batch`` rows (None: the sample's); its second step, as Lightning runs one (forward, then DeepSpeed's
+    backward and step)."""
+    model = copy.deepcopy(pristine)
+    with cache_warnings_silenced():
+        install_plan(model, plan)
+    sample = make_sample(model)
+    engine, ds_optimizer = _engine(model, make(model.parameters()), strategy)
+    loss_of = sample.loss(batch)
+
+    def step() -> None:
+        loss = scalar(loss_of())
+        engine.backward(loss)
+        del loss
+        engine.step()
+
+    step()
+    tracker = CategoryPeakTracker()
+    tracker.track_external(model, *tracked([ds_optimizer]))
+    with tracker:
+        step()
+    return split_of(tracker).holding((sample.held(batch),))
+
+
+__all__ = ["BUCKET", "STAGES", "predicted_steps", "real_step", "zero_of"]
