@@ -43,7 +43,7 @@ def predicted_steps(strategy: str, model: nn.Module, sample: Sample,
                     make: Callable[[Any], torch.optim.Optimizer]) -> ZeroSteps:
     """Rank 0's: the module's whole step on fake tensors (``make`` its optimizer), as a ZeRO rank's."""
     optimizer = make(model.parameters())
-    steps = ModuleSteps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),))
+    steps = ModuleSteps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),), moments=True)
     return ZeroSteps(steps, zero_of(strategy), trained_groups([optimizer], model), largest_trained(model))
 
 

@@ -39,9 +39,10 @@ class CategoryPeakTracker(MemTracker):
     from the same live snapshot MemTracker updates after every op.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, moments: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.category_peaks: dict[str, int] = {}
+        self._moments = moments  # off unless asked: they cost a little on every op of every measured step
         # Two more moments, for a strategy whose step differs from this process's (DeepSpeed ZeRO, apply/zero.py):
         # the categories where the total less the gradients peaked outside the optimizer's step (gradients that
         # leave for a reduce bucket as backward makes them), and where the total peaked inside it.
@@ -100,6 +101,8 @@ class CategoryPeakTracker(MemTracker):
                 name = getattr(key, "name", str(key)).lower()
                 if value > self.category_peaks.get(name, 0):
                     self.category_peaks[name] = value
+            if not self._moments:
+                continue
             if self._in_opt:
                 if total > self.optimizer_peak.get("total", 0):
                     self.optimizer_peak = _by_category(dev_snap)

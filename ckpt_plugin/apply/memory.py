@@ -69,14 +69,15 @@ class StepFit:
 
 
 def whole_of(model: nn.Module, plan: WrapPlan, forward: Callable[[], Any],
-             optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Held] = (), *, fake: bool = True) -> StepSplit:
+             optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Held] = (), *, fake: bool = True,
+             moments: bool = False) -> StepSplit:
     """The whole step of ``model`` with ``plan`` installed for the measurement (fake tensors), then removed;
     ``held``: what the device holds beside it (the batch, DDP's buckets). ``fake=False``: ``model``'s tensors
     are its own to step (real ones, or a fake twin's: ``lightning/fsdp.py``)."""
     with cache_warnings_silenced():
         install(model, plan)
         try:
-            return whole_step(model, forward, optimizers, fake=fake).holding(held)
+            return whole_step(model, forward, optimizers, fake=fake, moments=moments).holding(held)
         finally:
             remove_checkpointing(model)
 
@@ -103,9 +104,10 @@ class ModuleSteps:
     loss: Callable[[int | None], Callable[[], Any]]
     optimizers: Sequence[torch.optim.Optimizer] = ()
     held: Callable[[int | None], Sequence[Held]] = field(default=lambda rows: ())
+    moments: bool = False  # the split's moments besides its peak (whole_step's), for a ZeRO rank's model
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
-        return whole_of(self.model, plan, self.loss(rows), self.optimizers, self.held(rows))
+        return whole_of(self.model, plan, self.loss(rows), self.optimizers, self.held(rows), moments=self.moments)
 
     @property
     def device(self) -> torch.device | None:

@@ -88,7 +88,7 @@ def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sampl
     zero = Zero(stage=int(section["stage"]), world=trainer.world_size,
                 reduce_bucket_size=int(float(section.get("reduce_bucket_size", _DEFAULTS["reduce_bucket_size"]))),
                 overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
-    steps = ModuleSteps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)))
+    steps = ModuleSteps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), moments=True)
     return ZeroSteps(steps, zero, trained_groups(optimizers, pl_module), largest_trained(pl_module))
 
 

@@ -101,13 +101,14 @@ Forward = Callable[[], Any]
 
 
 def whole_step(model: nn.Module, forward: Forward, optimizers: Sequence[torch.optim.Optimizer] = (), *,
-               fake: bool = True, what: str = "ckpt.memory's step") -> StepSplit:
+               fake: bool = True, what: str = "ckpt.memory's step", moments: bool = False) -> StepSplit:
     """The peak of the second of two training steps of ``model`` as it is now (checkpointing installed or not),
     by category; ``forward()`` runs the model on a sample batch (any output: its floating-point tensors are summed,
     as ``ckpt=auto``'s profile does). ``optimizers``: those the step steps (none: parameters, gradients and
-    activations only). On fake tensors unless ``fake=False`` (which trains ``model``)."""
+    activations only). On fake tensors unless ``fake=False`` (which trains ``model``). ``moments``: the split's
+    ``gradless`` and ``in_optimizer`` moments too (a ZeRO rank's model reads them: ``apply/zero.py``)."""
     if not fake:
-        return _two_steps(model, forward, optimizers)
+        return _two_steps(model, forward, optimizers, moments)
     from ckpt_plugin.measure.report import (
         on_fake_model,  # report.py imports the measurements: no cycle at import
     )
@@ -115,12 +116,13 @@ def whole_step(model: nn.Module, forward: Forward, optimizers: Sequence[torch.op
 
     def measured() -> StepSplit:
         with on_fake_model(model, what) as copies, _optimizers_on(optimizers, copies):
-            return _two_steps(model, forward, optimizers)
+            return _two_steps(model, forward, optimizers, moments)
 
     return with_values_replayed(model, forward, measured)
 
 
-def _two_steps(model: nn.Module, forward: Forward, optimizers: Sequence[torch.optim.Optimizer]) -> StepSplit:
+def _two_steps(model: nn.Module, forward: Forward, optimizers: Sequence[torch.optim.Optimizer],
+               moments: bool = False) -> StepSplit:
     def step() -> None:
         loss = scalar(forward())
         for optimizer in optimizers:  # Lightning's closure: after training_step, before backward
@@ -140,7 +142,7 @@ def _two_steps(model: nn.Module, forward: Forward, optimizers: Sequence[torch.op
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    tracker = CategoryPeakTracker()
+    tracker = CategoryPeakTracker(moments=moments)
     tracker.track_external(model, *optimizers)
     with tracker:
         # Of what the device held before the step, the step's own (the model, its gradients, the optimizer's
