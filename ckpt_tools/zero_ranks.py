@@ -23,8 +23,7 @@ from torch import nn
 from ckpt_plugin._compat import CategoryPeakTracker
 from ckpt_plugin.apply.batch import Sample
 from ckpt_plugin.apply.install import install_plan
-from ckpt_plugin.apply.memory import ModuleSteps
-from ckpt_plugin.apply.zero import Zero, ZeroSteps, largest_trained, trained_groups
+from ckpt_plugin.apply.zero import Zero, ZeroSteps, rank_steps
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.lightning.zero import tracked
@@ -43,8 +42,7 @@ def predicted_steps(strategy: str, model: nn.Module, sample: Sample,
                     make: Callable[[Any], torch.optim.Optimizer]) -> ZeroSteps:
     """Rank 0's: the module's whole step on fake tensors (``make`` its optimizer), as a ZeRO rank's."""
     optimizer = make(model.parameters())
-    steps = ModuleSteps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),), moments=True)
-    return ZeroSteps(steps, zero_of(strategy), trained_groups([optimizer], model), largest_trained(model))
+    return rank_steps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),), zero_of(strategy))
 
 
 def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -> tuple[Any, Any]:

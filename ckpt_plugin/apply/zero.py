@@ -27,8 +27,9 @@ rank's in 76 of 84, up to 6.7 % on hf.llama (docs/fit-a-gpu.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -119,16 +120,25 @@ class ZeroSteps:
         return self.steps.device
 
 
-def trained_groups(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> tuple[int, ...]:
+def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[], Any]],
+               optimizers: Sequence[torch.optim.Optimizer], held: Callable[[int | None], Sequence[Held]],
+               zero: Zero) -> ZeroSteps:
+    """A ZeRO rank's whole steps under ``zero``, from ``model``'s own: ``loss(rows)`` its step to the loss at
+    ``rows`` samples, ``optimizers`` stepping it, ``held(rows)`` on the device beside it (the batch)."""
+    steps = ModuleSteps(model, loss, optimizers, held, moments=True)  # the moments rank_step reads
+    return ZeroSteps(steps, zero, _trained_groups(optimizers, model), _largest_trained(model))
+
+
+def _trained_groups(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> tuple[int, ...]:
     """Elements of each parameter group DeepSpeed flattens: the optimizers' groups' trained parameters (the
     module's trained parameters as one group where no optimizer is given)."""
     groups = [sum(p.numel() for p in g["params"] if p.requires_grad) for o in optimizers for g in o.param_groups]
     return tuple(n for n in groups if n) or (sum(p.numel() for p in model.parameters() if p.requires_grad),)
 
 
-def largest_trained(model: torch.nn.Module) -> int:
+def _largest_trained(model: torch.nn.Module) -> int:
     """Elements of the largest parameter that trains (0: none)."""
     return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
 
 
-__all__ = ["Zero", "ZeroSteps", "largest_trained", "rank_step", "trained_groups"]
+__all__ = ["Zero", "ZeroSteps", "rank_step", "rank_steps"]

@@ -17,8 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from ckpt_plugin.apply.batch import Sample
-from ckpt_plugin.apply.memory import ModuleSteps
-from ckpt_plugin.apply.zero import Zero, ZeroSteps, largest_trained, trained_groups
+from ckpt_plugin.apply.zero import Zero, ZeroSteps, rank_steps
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.whole_step import Held
 
@@ -88,8 +87,7 @@ def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sampl
     zero = Zero(stage=int(section["stage"]), world=trainer.world_size,
                 reduce_bucket_size=int(float(section.get("reduce_bucket_size", _DEFAULTS["reduce_bucket_size"]))),
                 overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
-    steps = ModuleSteps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), moments=True)
-    return ZeroSteps(steps, zero, trained_groups(optimizers, pl_module), largest_trained(pl_module))
+    return rank_steps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), zero)
 
 
 def tracked(optimizers: Sequence[Any]) -> list[Any]:
