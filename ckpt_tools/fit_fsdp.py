@@ -65,6 +65,7 @@ from ckpt_plugin.config.schema import make_config
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.measure.whole_step import StepSplit, whole_step
+from ckpt_plugin.planning.options import without_selective
 from ckpt_plugin.planning.plan_file import plan_from_dict, plan_to_dict
 from ckpt_tools.fit_check import (
     OPTIMIZERS,
@@ -85,7 +86,8 @@ __all__ = ["STRATEGIES", "Sharding", "main", "rooted", "sharded", "through"]
 
 STRATEGIES = {"fsdp": "FSDP (v1, FULL_SHARD)", "fsdp2": "FSDP2 (fully_shard on each layer and the root)",
               "deepspeed_stage_1": "DeepSpeed ZeRO-1 (fp32, modelled: ckpt_tools/zero_ranks.py)",
-              "deepspeed_stage_2": "DeepSpeed ZeRO-2 (fp32, modelled: ckpt_tools/zero_ranks.py)"}
+              "deepspeed_stage_2": "DeepSpeed ZeRO-2 (fp32, modelled: ckpt_tools/zero_ranks.py)",
+              "deepspeed_stage_3": "DeepSpeed ZeRO-3 (fp32, its gathering played on the fake step: ckpt_tools/zero_ranks.py)"}
 # ZeRO's step is modelled, an upper bound of every rank's (ckpt_plugin/apply/zero.py): issue #43's mark for it.
 ZERO_TOLERANCE = 0.05
 
@@ -286,8 +288,10 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
                     s = subject(name, args["quick"])
                     for optimizer in args["optimizers"]:
                         t0 = time.perf_counter()
-                        one, limits, found = check_sharded(s, optimizer, args["fractions"], args["batch"], strategy,
-                                                           mesh)
+                        # ZeRO-3's engine installs DeepSpeed's linear: no selective options (planning/options.py)
+                        with without_selective(STAGES.get(strategy) == 3):
+                            one, limits, found = check_sharded(s, optimizer, args["fractions"], args["batch"],
+                                                               strategy, mesh)
                         steps.append(one)
                         rows += limits
                         batches += [found] if found else []

@@ -20,21 +20,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_plugin._compat import CategoryPeakTracker
+from ckpt_plugin._compat import CategoryPeakTracker, seen_bytes
 from ckpt_plugin.apply.batch import Sample
 from ckpt_plugin.apply.install import install_plan
-from ckpt_plugin.apply.zero import Zero, ZeroSteps, rank_steps
+from ckpt_plugin.apply.zero import Zero, Zero3, ZeroSteps, rank_steps
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.lightning.zero import tracked
 from ckpt_plugin.measure.sample import scalar
-from ckpt_plugin.measure.whole_step import StepSplit, split_of
+from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 
 BUCKET = 50_000  # reduce_bucket_size and allgather_bucket_size, elements (400 KB of buffers with overlap_comm)
-STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2}
+STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3}
+# ZeRO-3's, sized to the models' scale as BUCKET is: prefetch a bucket's worth, keep whole only parameters of at
+# most PERSIST elements (norms, biases), release what is not used again within a bucket's worth of the trace
+# (DeepSpeed's default, 1e9, keeps every parameter of these models whole from its first use to its backward).
+PERSIST = 1_000
+STAGE3 = {"stage3_prefetch_bucket_size": BUCKET, "stage3_param_persistence_threshold": PERSIST,
+          "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": BUCKET}
 
 
-def zero_of(strategy: str) -> Zero:
+def zero_of(strategy: str) -> Zero | Zero3:
+    if STAGES[strategy] == 3:
+        return Zero3(world=dist.get_world_size(), reduce_bucket_size=BUCKET, prefetch_bucket_size=BUCKET,
+                     max_live_parameters=STAGE3["stage3_max_live_parameters"],
+                     max_reuse_distance=STAGE3["stage3_max_reuse_distance"], param_persistence_threshold=PERSIST)
     return Zero(stage=STAGES[strategy], world=dist.get_world_size(), reduce_bucket_size=BUCKET, overlap_comm=True)
 
 
@@ -55,7 +65,7 @@ def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tests/cpu_strategies.py: not needed
     deepspeed.init_distributed("gloo")  # the default group is up already: DeepSpeed's comm wraps it
     zero = {"stage": STAGES[strategy], "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
-            "overlap_comm": True, "contiguous_gradients": True}
+            "overlap_comm": True, "contiguous_gradients": True, **(STAGE3 if STAGES[strategy] == 3 else {})}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "steps_per_print": 2**31 - 1}
     engine, ds_optimizer, _, _ = deepspeed.initialize(
@@ -74,7 +84,7 @@ def real_step(strategy: str, make_sample: Callable[[nn.Module], Sample], pristin
         install_plan(model, plan)
     sample = make_sample(model)
     engine, ds_optimizer = _engine(model, make(model.parameters()), strategy)
-    loss_of = sample.loss(batch)
+    loss_of, batch_of = sample.loss_and_batch(batch)
 
     def step() -> None:
         loss = scalar(loss_of())
@@ -87,7 +97,8 @@ def real_step(strategy: str, make_sample: Callable[[nn.Module], Sample], pristin
     tracker.track_external(model, *tracked([ds_optimizer]))
     with tracker:
         step()
-    return split_of(tracker).holding((sample.held(batch),))
+    held = sample.held(batch)  # less what MemTracker counted of it (ZeRO-3's hooks detach each module's inputs)
+    return split_of(tracker).holding((Held(held.bytes - seen_bytes(tracker, batch_of()), held.by),))
 
 
 __all__ = ["BUCKET", "STAGES", "predicted_steps", "real_step", "zero_of"]

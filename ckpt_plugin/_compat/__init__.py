@@ -11,7 +11,7 @@ from here (``from ckpt_plugin._compat import user_module``):
 - ``ops``: ops as the dispatcher sees them (dispatch modes, schemas, FLOPs);
 - ``tensors``: a tensor's storage, version counter, base, and the saved-tensor hooks in force;
 - ``pytree``: torch's pytree;
-- ``memory``: MemTracker with per-category peaks;
+- ``memory``: MemTracker with per-category peaks, ModTracker, a tensor filed as a parameter, backward's end;
 - ``fsdp``: FSDP (v1) and FSDP2 on fake tensors with fake process groups (a rank's sharded step, measured);
 - ``regions``: non-reentrant checkpoint internals (regions opened by hooks, their frames);
 - ``checkpoint``: the engine's non-reentrant checkpoint calls, whose early stop survives libraries that re-wrap exceptions;
@@ -62,7 +62,14 @@ from ckpt_plugin._compat.hooks import (
     register_module_forward_pre_hook,
     saved_tensors_hooks_depth,
 )
-from ckpt_plugin._compat.memory import CategoryPeakTracker, MemTracker
+from ckpt_plugin._compat.memory import (
+    CategoryPeakTracker,
+    MemTracker,
+    ModTracker,
+    as_parameter,
+    at_backward_end,
+    seen_bytes,
+)
 from ckpt_plugin._compat.ops import TorchDispatchMode, argument, beneath_dispatch_modes, is_mutable, op_flops, written
 from ckpt_plugin._compat.pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 from ckpt_plugin._compat.region_generator import close_region
@@ -79,11 +86,14 @@ from ckpt_plugin._compat.wrappers import checkpoint_wrapper_type, compiled_by_us
 __all__ = [
     "CategoryPeakTracker",
     "MemTracker",
+    "ModTracker",
     "StorageWeakRef",
     "TorchDispatchMode",
     "active_fake_mode",
     "activation_memory_budget",
     "argument",
+    "as_parameter",
+    "at_backward_end",
     "beneath_dispatch_modes",
     "base_of",
     "checkpoint_debug_enabled",
@@ -124,6 +134,7 @@ __all__ = [
     "register_module_forward_hook",
     "register_module_forward_pre_hook",
     "saved_tensors_hooks_depth",
+    "seen_bytes",
     "stop_recomputation_error",
     "storage_key",
     "tracing_for_compile",

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker  # private: torch._tools
+from torch.distributed._tools.mod_tracker import ModTracker  # private: torch._tools
 
 _TOTAL = "Total"  # the key of a device snapshot's total (MemTracker's _TOTAL_KEY)
 
@@ -113,3 +114,32 @@ class CategoryPeakTracker(MemTracker):
                 if self._mod_tracker.is_bw and total - grads > self.gradless_at.get(grads, 0):  # (in forward: the
                     # last step's gradients, which Lightning's zero_grad frees only after training_step)
                     self.gradless_at[grads] = total - grads
+
+
+def as_parameter(tensor: torch.Tensor) -> None:
+    """File ``tensor``'s storage under MemTracker's parameters, in every MemTracker measuring now (a ZeRO-3 rank's
+    gathered parameter, which the step allocates: MemTracker would file it as an activation or a temporary).
+    ``_update_and_maybe_create_winfos`` is MemTracker's own (private) way to file a tensor it has seen."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, MemTracker):
+            mode._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
+
+
+def at_backward_end(callback: Any) -> None:
+    """Run ``callback()`` when the backward pass running now ends (autograd's engine, private: the call
+    DeepSpeed's and FSDP's own end-of-backward work is queued with)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def seen_bytes(tracker: MemTracker, tensors: Any) -> int:
+    """Bytes of the storages of ``tensors`` (a pytree) that ``tracker`` counted, made before it started: a batch
+    that a strategy's hook passed through an op (DeepSpeed ZeRO-3 detaches each module's inputs), whose storage
+    MemTracker then files as an activation. ``_WINFO`` is MemTracker's own (private) table of what it counts."""
+    from torch.utils._pytree import tree_leaves
+
+    storages = {id(t.untyped_storage()): t.untyped_storage() for t in tree_leaves(tensors)
+                if isinstance(t, torch.Tensor)}
+    return sum(s.nbytes() for s in storages.values() if s in tracker._WINFO)

@@ -119,26 +119,34 @@ class Sample:
         """The module's call, its batch ``to`` rows long (None: as it is); the step where there is no call."""
         if self.call is None:
             return self.loss(to)
+        return self._called(to)[0]
+
+    def _called(self, to: int | None) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """The module's call at ``to`` rows, and what gives its arguments."""
         if to is None or to == self.size:
-            args, kwargs = self.call
-            return lambda: self.run(*args, **kwargs)
-        call = _held(resized(self.call, self.size, to))
+            call: Callable[[], Any] = lambda: self.call  # noqa: E731
+        else:
+            call = _held(resized(self.call, self.size, to))
 
         def forward() -> Any:
             args, kwargs = call()
             return self.run(*args, **kwargs)
 
-        return forward
+        return forward, call
 
     def loss(self, to: int | None = None) -> Callable[[], Any]:
         """The training step to its loss at ``to`` rows (the whole step measures it); the call where there is none."""
+        return self.loss_and_batch(to)[0]
+
+    def loss_and_batch(self, to: int | None = None) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """:meth:`loss`, and what gives the batch that step runs on (real tensors: the ones it reads)."""
         if self.step is None or self.batch is None:
-            return self.forward(to)
+            return self._called(to)
         size = batch_size_of(self.batch)
         if to is None or size is None or to == size:
-            return lambda: self.step(self.batch)
+            return (lambda: self.step(self.batch)), (lambda: self.batch)
         batch = _held(resized(self.batch, size, to))
-        return lambda: self.step(batch())
+        return (lambda: self.step(batch())), batch
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
 from ckpt_plugin.engine.wrap import install, remove_checkpointing
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.measure.whole_step import Held, StepSplit, whole_step
+from ckpt_plugin.measure.whole_step import Around, Held, StepSplit, whole_step
 from ckpt_plugin.units import format_bytes
 
 _BISECTIONS = 10  # candidates measured between the least plan and none, at most
@@ -70,14 +70,14 @@ class StepFit:
 
 def whole_of(model: nn.Module, plan: WrapPlan, forward: Callable[[], Any],
              optimizers: Sequence[torch.optim.Optimizer], held: Sequence[Held] = (), *, fake: bool = True,
-             moments: bool = False) -> StepSplit:
+             moments: bool = False, around: Around | None = None) -> StepSplit:
     """The whole step of ``model`` with ``plan`` installed for the measurement (fake tensors), then removed;
     ``held``: what the device holds beside it (the batch, DDP's buckets). ``fake=False``: ``model``'s tensors
     are its own to step (real ones, or a fake twin's: ``lightning/fsdp.py``)."""
     with cache_warnings_silenced():
         install(model, plan)
         try:
-            return whole_step(model, forward, optimizers, fake=fake, moments=moments).holding(held)
+            return whole_step(model, forward, optimizers, fake=fake, moments=moments, around=around).holding(held)
         finally:
             remove_checkpointing(model)
 
@@ -105,9 +105,11 @@ class ModuleSteps:
     optimizers: Sequence[torch.optim.Optimizer] = ()
     held: Callable[[int | None], Sequence[Held]] = field(default=lambda rows: ())
     moments: bool = False  # the split's moments besides its peak (whole_step's), for a ZeRO rank's model
+    around: Around | None = None  # open around its two steps (ZeRO-3's gathered parameters: apply/zero3_gather.py)
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
-        return whole_of(self.model, plan, self.loss(rows), self.optimizers, self.held(rows), moments=self.moments)
+        return whole_of(self.model, plan, self.loss(rows), self.optimizers, self.held(rows), moments=self.moments,
+                        around=self.around)
 
     @property
     def device(self) -> torch.device | None:

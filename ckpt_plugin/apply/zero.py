@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ckpt_plugin.apply.memory import ModuleSteps
+from ckpt_plugin.apply.zero3_gather import Zero3, gathering, persistent
 from ckpt_plugin.measure.whole_step import Held, StepSplit
 from ckpt_plugin.engine.plan import WrapPlan
 
@@ -102,18 +103,62 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int 
                    held=(*split.held, zero.buffers), cuda_allocated=None, cuda_reserved=None)
 
 
+def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, whole: int, largest: int = 0
+               ) -> StepSplit:
+    """A ZeRO-3 rank's whole step, from ``split``: the module's step on fake tensors with ZeRO-3's gathering played
+    on it (``apply/zero3_gather.py``: the gathered parameters filed as parameters, the partitioned ones still whole
+    besides, ``whole`` bytes). ``partitions``: elements of the rank's partitions of every parameter; ``trained``:
+    of those trained; ``largest``: elements of the largest parameter trained. What the rank holds besides
+    (DeepSpeed 0.19, ``runtime/zero/stage3.py``, float32): its partitions of the parameters (one flat buffer), a
+    float32 master copy of the trained ones (a copy even in float32: ``_create_fp32_partitions`` compares a device
+    with a device's name), the gradients' partitions (``grad_partitions_flat_buffer``), the optimizer's state on
+    the master copy, one reduce buffer (``reduce_bucket_size``)."""
+    back, opt = split.gradless, split.in_optimizer
+    state = back.get("optstate", 0)
+    own = partitions * FLOAT32
+    persistent = {"parameter": own + trained * FLOAT32 - whole, "gradient": trained * FLOAT32,
+                  "optstate": math.ceil(state / zero.world)}
+    in_hand = largest * FLOAT32  # one gradient made whole before its copy into the reduce buffer
+    # Forward and backward, the module's gradients left out (they go to the reduce buffer as backward makes them,
+    # and the step before's are gone: the rank's are its partitions): its peak without them.
+    backward = {"parameter": back.get("parameter", 0) + persistent["parameter"], "buffer": back.get("buffer", 0),
+                "gradient": persistent["gradient"], "optstate": persistent["optstate"],
+                "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
+                "other": back.get("other", 0)}
+    # The optimizer's step: the gradients flattened into a float32 copy of the trained partition
+    # (``_prepare_fp32_grad_for_sub_group``), the optimizer's own temporaries on the partition alone.
+    temporaries = max(opt.get("optstate", 0) - state, 0)
+    stepping = {"parameter": opt.get("parameter", 0) + persistent["parameter"], "gradient": 2 * trained * FLOAT32,
+                "optstate": persistent["optstate"] + math.ceil(temporaries / zero.world),
+                "activation": opt.get("activation", 0), "temp": opt.get("temp", 0), "other": opt.get("other", 0),
+                "buffer": opt.get("buffer", 0)}
+    at_peak = max(backward, stepping, key=lambda c: sum(c.values()))
+    buffers = Held(zero.reduce_bucket_size * FLOAT32,
+                   f"DeepSpeed's reduce buffer (reduce_bucket_size={zero.reduce_bucket_size:g} elements)")
+    total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + buffers.bytes
+    return replace(split, peak=total, at_peak={c: at_peak.get(c, 0) for c in split.at_peak} | at_peak,
+                   held=(*split.held, buffers), cuda_allocated=None, cuda_reserved=None)
+
+
 @dataclass(frozen=True)
 class ZeroSteps:
-    """``ckpt.memory``'s whole step (``apply/memory.WholeSteps``) of one ZeRO-1/2 rank: the module's own step
-    (``steps``, on fake tensors), as :func:`rank_step` models the rank's."""
+    """``ckpt.memory``'s whole step (``apply/memory.WholeSteps``) of one ZeRO rank: the module's own step
+    (``steps``, on fake tensors; under ZeRO-3 with its gathering played on it), as :func:`rank_step` (ZeRO-1/2) or
+    :func:`rank_step3` models the rank's."""
 
     steps: ModuleSteps
-    zero: Zero
+    zero: Zero | Zero3
     groups: tuple[int, ...]
     largest: int = 0  # elements of the largest parameter trained
+    partitions: int = 0  # ZeRO-3: elements of the rank's partitions, of every parameter and of those trained
+    trained: int = 0
+    whole: int = 0  # ZeRO-3: bytes of the partitioned parameters whole
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
-        return rank_step(self.steps.of(plan, rows), self.zero, self.groups, self.largest)
+        split = self.steps.of(plan, rows)
+        if isinstance(self.zero, Zero3):
+            return rank_step3(split, self.zero, self.partitions, self.trained, self.whole, self.largest)
+        return rank_step(split, self.zero, self.groups, self.largest)
 
     @property
     def device(self) -> torch.device | None:
@@ -122,11 +167,23 @@ class ZeroSteps:
 
 def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[], Any]],
                optimizers: Sequence[torch.optim.Optimizer], held: Callable[[int | None], Sequence[Held]],
-               zero: Zero) -> ZeroSteps:
+               zero: Zero | Zero3, redirected: bool = False) -> ZeroSteps:
     """A ZeRO rank's whole steps under ``zero``, from ``model``'s own: ``loss(rows)`` its step to the loss at
-    ``rows`` samples, ``optimizers`` stepping it, ``held(rows)`` on the device beside it (the batch)."""
-    steps = ModuleSteps(model, loss, optimizers, held, moments=True)  # the moments rank_step reads
-    return ZeroSteps(steps, zero, _trained_groups(optimizers, model), _largest_trained(model))
+    ``rows`` samples, ``optimizers`` stepping it, ``held(rows)`` on the device beside it (the batch).
+    ``redirected``: ZeRO-3's steps run as calls of ``model`` (Lightning's: ``apply/zero3_gather.gathering``)."""
+    groups, largest = _trained_groups(optimizers, model), _largest_trained(model)
+    if not isinstance(zero, Zero3):
+        steps = ModuleSteps(model, loss, optimizers, held, moments=True)  # the moments rank_step reads
+        return ZeroSteps(steps, zero, groups, largest)
+    steps = ModuleSteps(model, loss, optimizers, held, moments=True, around=lambda m: gathering(m, zero, redirected))
+    params = list({id(p): p for p in model.parameters()}.values())
+    trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad} or \
+        {id(p) for p in params if p.requires_grad}
+    kept = persistent(model, zero)
+    return ZeroSteps(steps, zero, groups, largest,
+                     partitions=sum(zero.partition(p.numel()) for p in params),
+                     trained=sum(zero.partition(p.numel()) for p in params if id(p) in trained),
+                     whole=sum(p.numel() * p.element_size() for p in params if id(p) not in kept))
 
 
 def _trained_groups(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> tuple[int, ...]:
@@ -141,4 +198,4 @@ def _largest_trained(model: torch.nn.Module) -> int:
     return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
 
 
-__all__ = ["Zero", "ZeroSteps", "rank_step", "rank_steps"]
+__all__ = ["Zero", "Zero3", "ZeroSteps", "rank_step", "rank_step3", "rank_steps"]

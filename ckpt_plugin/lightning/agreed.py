@@ -24,6 +24,8 @@ from ckpt_plugin.config.schema import AutoConfig
 from ckpt_plugin.lightning.fsdp import plans_on_a_twin, twin_of
 from ckpt_plugin.lightning.memory import memory_plan
 from ckpt_plugin.lightning.strategies import error_as_data, error_from_data, rank_zero_plans_alone
+from ckpt_plugin.lightning.zero import deepspeed_linear
+from ckpt_plugin.planning.options import without_selective
 from ckpt_plugin.planning.plan_file import plan_from_dict, plan_to_dict
 
 
@@ -51,11 +53,12 @@ def agreed_plan(trainer: pl.Trainer, pl_module: pl.LightningModule, config: Auto
         try:
             # As FSDP or FSDP2 will shard the module; DeepSpeed plans the activations alone (strategies.py).
             twin = twin_of(trainer, pl_module) if before_sharding and plans_on_a_twin(trainer.strategy) else None
-            if config.read_memory is not None:
-                plan, batch = memory_plan(trainer, pl_module, config, forward, twin)
-            else:  # a layer FSDP wraps in a unit of its own runs there: no region over several
-                chains = twin is None or twin.regions_allowed(candidates(pl_module, config))
-                plan = plan_for(pl_module, config, forward, chains=chains)
+            with without_selective(deepspeed_linear(trainer.strategy)):  # ZeRO-3's linear: options.py says why
+                if config.read_memory is not None:
+                    plan, batch = memory_plan(trainer, pl_module, config, forward, twin)
+                else:  # a layer FSDP wraps in a unit of its own runs there: no region over several
+                    chains = twin is None or twin.regions_allowed(candidates(pl_module, config))
+                    plan = plan_for(pl_module, config, forward, chains=chains)
         except Exception as err:
             if world == 1:
                 raise

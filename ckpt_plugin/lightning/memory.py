@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
-from ckpt_plugin._compat import CategoryPeakTracker, tree_leaves
+from ckpt_plugin._compat import CategoryPeakTracker, seen_bytes, tree_leaves
 from ckpt_plugin.apply.batch import MOST, Sample, largest_batch
 from ckpt_plugin.apply.memory import WholeSteps
 from ckpt_plugin.apply.plan import candidates, plan_for
@@ -211,11 +211,13 @@ class StepWatch:
         self.cuda_peak: int | None = None
         self._tracker: CategoryPeakTracker | None = None
         self._batch = Held(0, "the batch")
+        self._batch_tensors: Any = None
 
     def start(self, pl_module: pl.LightningModule, optimizers: Sequence[torch.optim.Optimizer], batch: Any) -> None:
         # The batch was made (and moved to the device) before this hook: MemTracker will not see it, the device does.
         self._batch = Held(sum(t.numel() * t.element_size() for t in tree_leaves(batch) if isinstance(t, torch.Tensor)),
                            "the batch")
+        self._batch_tensors = batch
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -230,7 +232,11 @@ class StepWatch:
             return None
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(None, None, None)
-        self.measured = split_of(tracker).holding((self._batch,))
+        # Unless the step passed it through an op MemTracker saw (DeepSpeed ZeRO-3 detaches each module's inputs):
+        # then MemTracker counted it already.
+        batch = Held(self._batch.bytes - seen_bytes(tracker, self._batch_tensors), self._batch.by)
+        self._batch_tensors = None
+        self.measured = split_of(tracker).holding((batch,))
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             self.cuda_peak = torch.cuda.max_memory_allocated(pl_module.device)

@@ -1,11 +1,11 @@
-"""``ckpt.memory`` and ``ckpt.batch=max`` under Lightning's ``DeepSpeedStrategy``, ZeRO-1 and 2: the rank's whole
-step modelled from the module's own (``apply/zero.py``), the terms read from the strategy's DeepSpeed config.
+"""``ckpt.memory`` and ``ckpt.batch=max`` under Lightning's ``DeepSpeedStrategy``, ZeRO-1, 2 and 3: the rank's
+whole step modelled from the module's own (``apply/zero.py``; ZeRO-3's gathering played on it:
+``apply/zero3_gather.py``), the terms read from the strategy's DeepSpeed config.
 
-What is not modelled yet is refused on every rank in ``setup``, naming the key: ZeRO-3 (its live parameters,
-prefetch and persistence thresholds), offload of the optimizer or the parameters, ``contiguous_gradients=false``
-(gradients that stay whole until their bucket is reduced), and a precision other than 32-bit (the float32 master
-copy beside 16-bit parameters, activations measured at the wrong width: rank 0 plans before DeepSpeed casts the
-module).
+What is not modelled yet is refused on every rank in ``setup``, naming the key: offload of the optimizer or the
+parameters, ``contiguous_gradients=false`` (gradients that stay whole until their bucket is reduced), and a
+precision other than 32-bit (the float32 master copy beside 16-bit parameters, activations measured at the wrong
+width: rank 0 plans before DeepSpeed casts the module).
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ import lightning.pytorch as pl
 import torch
 
 from ckpt_plugin.apply.batch import Sample
-from ckpt_plugin.apply.zero import Zero, ZeroSteps, rank_steps
+from ckpt_plugin.apply.zero import Zero, Zero3, ZeroSteps, rank_steps
 from ckpt_plugin.errors import ConfigError, Problem
 from ckpt_plugin.measure.whole_step import Held
 
 # DeepSpeed's own defaults where the config leaves a key out (deepspeed/runtime/zero/config.py, 0.19): Lightning's
 # DeepSpeedStrategy writes every key (reduce_bucket_size 2e8, overlap_comm and contiguous_gradients on); a config
 # file given to it (``config=``) may not.
-_DEFAULTS = {"reduce_bucket_size": 500_000_000, "overlap_comm": False, "contiguous_gradients": True}
+_DEFAULTS = {"reduce_bucket_size": 500_000_000, "overlap_comm": False, "contiguous_gradients": True,
+             "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
+             "stage3_max_reuse_distance": 1_000_000_000, "stage3_param_persistence_threshold": 100_000,
+             "stage3_model_persistence_threshold": 2**63 - 1}
 _FP32 = ("32-true", "32")
 
 
@@ -47,10 +50,8 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
     precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
     name = f"{type(strategy).__name__} (ZeRO stage {stage})"
     why, what = None, ""
-    if stage not in (1, 2):
-        why = (f"ZeRO stage {stage}'s rank step is not modelled yet (stage 3: its live parameters, "
-               "stage3_max_live_parameters, stage3_prefetch_bucket_size, stage3_param_persistence_threshold)")
-        what = "zero_optimization.stage"
+    if stage not in (1, 2, 3):
+        why, what = f"ZeRO stage {stage} shards nothing: plan it as DDP", "zero_optimization.stage"
     elif any(str((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")):
         why, what = "offload to host memory is not modelled yet", "zero_optimization.offload_optimizer"
     elif not zero.get("contiguous_gradients", _DEFAULTS["contiguous_gradients"]):
@@ -66,16 +67,25 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
     return ConfigError([Problem(
         key,
         f"{key}={value} cannot be planned under trainer.strategy {name}: {why} ({what}); under DeepSpeed "
-        "ckpt.memory and ckpt.batch=max plan ZeRO-1 and ZeRO-2 in 32-bit precision, their buffers from the config",
+        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision without offload, "
+        "their buffers from the config",
         "here plan the activations with ckpt.budget (a fraction of the activation peak without checkpointing, or "
         "min), give a plan file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, "
         "ckpt=offload)",
     )])
 
 
+def deepspeed_linear(strategy: Any) -> bool:
+    """Whether the strategy's engine runs ``torch.nn.functional.linear`` as DeepSpeed's own (ZeRO-3's
+    ``memory_efficient_linear``, on by default): then ckpt=auto plans without selective options
+    (``planning/options.without_selective``)."""
+    zero = _section(strategy) if is_deepspeed(strategy) else {}
+    return int(zero.get("stage", 0)) == 3 and bool(zero.get("memory_efficient_linear", True))
+
+
 def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sample,
                held: tuple[Held, ...]) -> ZeroSteps:
-    """The rank's whole step under ``trainer.strategy`` (ZeRO-1/2, refused otherwise by :func:`zero_refused`):
+    """The rank's whole step under ``trainer.strategy`` (ZeRO-1/2/3, refused otherwise by :func:`zero_refused`):
     the module's own step on fake tensors, its ``configure_optimizers`` stepping it, as :mod:`apply.zero` models
     the rank's."""
     from lightning.pytorch.core.optimizer import (
@@ -84,10 +94,27 @@ def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sampl
 
     section = _section(trainer.strategy)
     optimizers = list(_init_optimizers_and_lr_schedulers(pl_module)[0])  # the Trainer builds its own later
-    zero = Zero(stage=int(section["stage"]), world=trainer.world_size,
-                reduce_bucket_size=int(float(section.get("reduce_bucket_size", _DEFAULTS["reduce_bucket_size"]))),
+    zero = _zero_of(section, trainer.world_size)
+    # Lightning runs training_step under DeepSpeed as a call of the module (its forward redirection)
+    return rank_steps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), zero,
+                      redirected=True)
+
+
+def _zero_of(section: dict[str, Any], world: int) -> Zero | Zero3:
+    """The terms of a rank's step, from the ``zero_optimization`` section (DeepSpeed's defaults where it has none)."""
+    def number(key: str) -> int:
+        return int(float(section.get(key, _DEFAULTS[key])))
+
+    if int(section["stage"]) == 3:
+        return Zero3(world=world, reduce_bucket_size=number("reduce_bucket_size"),
+                     prefetch_bucket_size=number("stage3_prefetch_bucket_size"),
+                     max_live_parameters=number("stage3_max_live_parameters"),
+                     max_reuse_distance=number("stage3_max_reuse_distance"),
+                     param_persistence_threshold=number("stage3_param_persistence_threshold"),
+                     model_persistence_threshold=number("stage3_model_persistence_threshold"),
+                     memory_efficient_linear=bool(section.get("memory_efficient_linear", True)))
+    return Zero(stage=int(section["stage"]), world=world, reduce_bucket_size=number("reduce_bucket_size"),
                 overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
-    return rank_steps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), zero)
 
 
 def tracked(optimizers: Sequence[Any]) -> list[Any]:
@@ -107,11 +134,14 @@ def tracked(optimizers: Sequence[Any]) -> list[Any]:
             items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
             for item in items:
                 for t in (item if isinstance(item, list | tuple) else [item]):
-                    if isinstance(t, torch.Tensor):
-                        out.append(t)
-                        if t.grad is not None:
-                            out.append(t.grad)
+                    if not isinstance(t, torch.Tensor):  # ZeRO-3's reduce buckets: objects holding a buffer
+                        if not isinstance(t, torch.nn.Module):  # (not the module: its tensors are the model's)
+                            out += [v for v in getattr(t, "__dict__", {}).values() if isinstance(v, torch.Tensor)]
+                        continue
+                    out.append(t)
+                    if t.grad is not None:
+                        out.append(t.grad)
     return out
 
 
-__all__ = ["is_deepspeed", "tracked", "zero_refused", "zero_steps"]
+__all__ = ["deepspeed_linear", "is_deepspeed", "tracked", "zero_refused", "zero_steps"]

@@ -98,24 +98,31 @@ class StepSplit:
 
 
 Forward = Callable[[], Any]
+# A context opened around the two measured steps, on the model as they run it (its fake copies): what a strategy
+# does to the module while it runs, played on the fake step (ZeRO-3's gathered parameters: apply/zero3_gather.py).
+Around = Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
 
 
 def whole_step(model: nn.Module, forward: Forward, optimizers: Sequence[torch.optim.Optimizer] = (), *,
-               fake: bool = True, what: str = "ckpt.memory's step", moments: bool = False) -> StepSplit:
+               fake: bool = True, what: str = "ckpt.memory's step", moments: bool = False,
+               around: Around | None = None) -> StepSplit:
     """The peak of the second of two training steps of ``model`` as it is now (checkpointing installed or not),
     by category; ``forward()`` runs the model on a sample batch (any output: its floating-point tensors are summed,
     as ``ckpt=auto``'s profile does). ``optimizers``: those the step steps (none: parameters, gradients and
     activations only). On fake tensors unless ``fake=False`` (which trains ``model``). ``moments``: the split's
-    ``gradless`` and ``in_optimizer`` moments too (a ZeRO rank's model reads them: ``apply/zero.py``)."""
+    ``gradless`` and ``in_optimizer`` moments too (a ZeRO rank's model reads them: ``apply/zero.py``). ``around``:
+    a context open around the two steps (:data:`Around`)."""
+    opened = around or (lambda _model: contextlib.nullcontext())
     if not fake:
-        return _two_steps(model, forward, optimizers, moments)
+        with opened(model):
+            return _two_steps(model, forward, optimizers, moments)
     from ckpt_plugin.measure.report import (
         on_fake_model,  # report.py imports the measurements: no cycle at import
     )
     from ckpt_plugin.measure.values import with_values_replayed
 
     def measured() -> StepSplit:
-        with on_fake_model(model, what) as copies, _optimizers_on(optimizers, copies):
+        with on_fake_model(model, what) as copies, _optimizers_on(optimizers, copies), opened(model):
             return _two_steps(model, forward, optimizers, moments)
 
     return with_values_replayed(model, forward, measured)
@@ -195,4 +202,4 @@ def _optimizers_on(optimizers: Sequence[torch.optim.Optimizer], copies: dict[int
                 group["params"] = kept
 
 
-__all__ = ["CATEGORIES", "Held", "StepSplit", "split_of", "whole_step"]
+__all__ = ["CATEGORIES", "Around", "Held", "StepSplit", "split_of", "whole_step"]

@@ -14,9 +14,12 @@ for people and files, and they are the ones plans have always printed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import functools
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 
@@ -107,6 +110,28 @@ OPTIONS = (KEEP, SELECTIVE, SELECTIVE_NB, FULL)
 OFFLOAD_OPTIONS = (OFFLOAD, FULL_OFFLOAD)
 PART_OPTIONS = (KEEP, SELECTIVE, FULL)  # a layer's parts (inside.py): one memory step less per level
 
+# Whether selective options are offered (a context's: ``without_selective``). Not under DeepSpeed ZeRO-3, whose
+# memory-efficient linear is a custom autograd.Function: torch's selective checkpointing sees none of the matmuls
+# inside one (pytorch#153334), and a selective region nested in a checkpointed layer fails its recomputation's
+# metadata check ("Recomputed values ... have different metadata"), on real tensors as on fake ones.
+_SELECTIVE = contextvars.ContextVar("ckpt_plugin_selective_offered", default=True)
+
+
+@contextlib.contextmanager
+def without_selective(drop: bool = True) -> Iterator[None]:
+    """Plan without the selective options (``drop``; else as usual) while the context is open."""
+    token = _SELECTIVE.set(not drop and _SELECTIVE.get())
+    try:
+        yield
+    finally:
+        _SELECTIVE.reset(token)
+
+
+def offered(options: Iterable[Option]) -> list[Option]:
+    """``options`` less the selective ones where they are not offered (:func:`without_selective`)."""
+    return [o for o in options if _SELECTIVE.get() or o.itself is not Itself.SELECTIVE]
+
+
 _NAMED = re.compile(r"(?:(?P<full>full\+)?inside#(?P<parts>[1-9][0-9]*))|(?P<own>[a-z_]+|full\+offload)")
 
 
@@ -126,4 +151,4 @@ def parse(name: str) -> Option:
 
 
 __all__ = ["FULL", "FULL_OFFLOAD", "INSIDE", "KEEP", "OFFLOAD", "OFFLOAD_OPTIONS", "OPTIONS", "Itself", "Option",
-           "PART_OPTIONS", "SELECTIVE", "SELECTIVE_NB", "parse"]
+           "PART_OPTIONS", "SELECTIVE", "SELECTIVE_NB", "offered", "parse", "without_selective"]

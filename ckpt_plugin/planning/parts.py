@@ -21,7 +21,7 @@ from ckpt_plugin.engine.blocks import has_forward
 from ckpt_plugin.engine.op_groups import is_regrouped, regroup, top_groups, ungroup
 from ckpt_plugin.engine.op_groups import parts as op_group_parts
 from ckpt_plugin.planning.inside import Chain
-from ckpt_plugin.planning.options import FULL, KEEP, PART_OPTIONS, Option
+from ckpt_plugin.planning.options import FULL, KEEP, PART_OPTIONS, Option, offered
 from ckpt_plugin.planning.planner import Cost
 from ckpt_plugin.planning.recorder import Recorder
 from ckpt_plugin.planning.steps import recorded_step, step_where_it_runs
@@ -136,7 +136,7 @@ def _parts_steps(model: nn.Module, level: list[str], forward: Callable[[], Any],
     every part of ``level`` under it where it runs; ``keep``'s memory step is given (it ran first, to find the
     parts called twice)."""
     stepped = {KEEP: (keep, set())} | {o: step_where_it_runs(model, level, forward, o, mode, around)
-                                       for o in PART_OPTIONS if o != KEEP}
+                                       for o in offered(PART_OPTIONS) if o != KEEP}
     return {o: (r, dict(r.flops) if o != KEEP else {}, lacking) for o, (r, lacking) in stepped.items()}
 
 

@@ -47,6 +47,7 @@ from ckpt_plugin.planning.inside import with_inside
 from ckpt_plugin.planning.layer_times import LayerTimes, TimingCache
 from ckpt_plugin.planning.offload_plan import Link, Moves, with_offload
 from ckpt_plugin.planning.options import FULL, KEEP, OPTIONS, SELECTIVE, SELECTIVE_NB, Option
+from ckpt_plugin.planning.options import offered as offered_options  # noqa: I001 (two names of one module)
 from ckpt_plugin.planning.parts import measure_parts, ran_as_groups, regrouped_while
 from ckpt_plugin.planning.planner import Cost, LayerProfile, Plan, Profile
 from ckpt_plugin.planning.recorder import Recorder
@@ -132,7 +133,7 @@ def _profile(model: nn.Module, names: list[str], forward: Callable[[], Any], *, 
             stepped = {KEEP: recorded_step(model, names, forward, KEEP, fake=mode)}
             # Without a batched matmul in the layers, selective_nb saves what selective saves (linear layers
             # only) or what full does (convolutions): no option of its own, so no step of its own either.
-            offered = [o for o in OPTIONS if o != SELECTIVE_NB or stepped[KEEP].batched]
+            offered = [o for o in offered_options(OPTIONS) if o != SELECTIVE_NB or stepped[KEEP].batched]
             lacking: dict[str, set[Option]] = {}  # layer -> options it cannot run under
             for option in offered[1:]:
                 stepped[option], without = step_where_it_runs(model, names, forward, option, mode)
