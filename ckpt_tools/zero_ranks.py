@@ -98,7 +98,8 @@ def real_step(strategy: str, make_sample: Callable[[nn.Module], Sample], pristin
     with tracker:
         step()
     held = sample.held(batch)  # less what MemTracker counted of it (ZeRO-3's hooks detach each module's inputs)
-    return split_of(tracker).holding((Held(held.bytes - seen_bytes(tracker, batch_of()), held.by),))
+    seen = seen_bytes(tracker, batch_of()) if STAGES[strategy] == 3 else 0
+    return split_of(tracker).holding((Held(held.bytes - seen, held.by),))
 
 
 __all__ = ["BUCKET", "STAGES", "predicted_steps", "real_step", "zero_of"]

@@ -60,7 +60,8 @@ def strategy_of(name: str) -> Any:
     if name.startswith("deepspeed_zero"):  # deepspeed_zero3_bf16: its precision, the Trainer's (fit)
         # _buckets: reduce buffers of 1e4 elements (Lightning's default, 2e8, is 1.6 GB of them with overlap_comm)
         buckets = dict(reduce_bucket_size=10_000, allgather_bucket_size=10_000) if "_buckets" in name else {}
-        strategy = CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]), **buckets)
+        offload = dict(offload_optimizer=True) if name.endswith("_offload") else {}
+        strategy = CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]), **buckets, **offload)
         if name.startswith("deepspeed_zero3_buckets"):  # ZeRO-3 at this model's scale: the norms and biases kept
             # whole, the rest gathered a bucket's worth ahead and released unless used again within one
             strategy.config["zero_optimization"].update(

@@ -795,3 +795,52 @@ def test_fsdp_shards_a_fake_module_on_a_fake_group_and_the_collectives_come_back
         flat = sharded._flat_param  # this rank's shard: a quarter of the 212 parameters
         assert _compat.is_fake(flat) and flat.numel() == 53 and flat.grad.numel() == 53
     assert before and {n: getattr(dist, n) for n in before} == before
+
+
+def test_as_parameter_files_a_tensor_the_step_made_under_the_tracker_s_parameters() -> None:
+    """What ZeRO-3's played gathering allocates in a step (apply/zero3_gather.py): MemTracker files it as an
+    activation; ``as_parameter`` files its 4,000 B as a parameter instead."""
+    from ckpt_plugin._compat import CategoryPeakTracker, as_parameter
+
+    tracker = CategoryPeakTracker()
+    with tracker:
+        kept = torch.empty(1_000)
+        as_parameter(kept)
+        torch.zeros(1)  # an op after it: the peak MemTracker keeps is updated after each op
+    assert tracker.category_peaks["param"] == 4_000
+
+
+def test_at_backward_end_runs_once_backward_is_done() -> None:
+    from ckpt_plugin._compat import at_backward_end
+
+    seen: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+    y = (x * 2).sum()
+    y.grad_fn.register_prehook(lambda grads: at_backward_end(lambda: seen.append("end")) or None)
+    x.register_hook(lambda g: seen.append("grad") or None)
+    y.backward()
+    assert seen == ["grad", "end"]
+
+
+def test_mod_tracker_calls_a_user_hook_before_each_module_runs() -> None:
+    from ckpt_plugin._compat import ModTracker
+
+    called: list[str] = []
+    tracker = ModTracker()
+    tracker.register_user_hooks(lambda m, _args: called.append(type(m).__name__))
+    with tracker:
+        torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())(torch.ones(1, 2))
+    assert called == ["Sequential", "Linear", "ReLU"]
+
+
+def test_seen_bytes_counts_a_batch_the_step_passed_through_an_op() -> None:
+    """A batch made before the tracker started: unseen, until an op reads it as a view (DeepSpeed ZeRO-3's hooks
+    detach each module's input)."""
+    from ckpt_plugin._compat import CategoryPeakTracker, seen_bytes
+
+    batch, other = torch.ones(10), torch.ones(3)
+    tracker = CategoryPeakTracker()
+    with tracker:
+        view = batch.detach()
+        (view * 2).sum()
+    assert seen_bytes(tracker, {"x": batch, "y": other}) == 40

@@ -1,12 +1,13 @@
-"""A DeepSpeed ZeRO-1/2 rank's whole step as ``apply/zero.py`` models it from the module's own, term by term, and
-what the strategy's config leaves unmodelled refused by name (``lightning/zero.py``). The model against real
+"""A DeepSpeed ZeRO rank's whole step as ``apply/zero.py`` models it from the module's own, term by term (ZeRO-3's
+gathering played on the fake step: ``apply/zero3_gather.py``, to the byte), and what the strategy's config leaves
+unmodelled refused by name (``lightning/zero.py``). The model against real
 ranks: tests/test_auto_sharded.py (2 gloo processes, every rank measured)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckpt_plugin.apply.zero import Zero, rank_step
+from ckpt_plugin.apply.zero import Zero, Zero3, rank_step, rank_step3
 from ckpt_plugin.measure.whole_step import Held, StepSplit
 
 # The module's step (one process, fake tensors) as whole_step measures it: its parameters 1,000 B, the optimizer's
@@ -49,7 +50,6 @@ def test_with_more_gradients_than_a_bucket_a_partition_is_reduced_while_activati
     ({"stage": 2, "contiguous_gradients": False}, "with contiguous_gradients=false the gradients stay whole until "
                                                   "their bucket is reduced: not modelled yet "
                                                   "(zero_optimization.contiguous_gradients)"),
-    ({"stage": 3}, "ZeRO stage 3's rank step is not modelled yet"),
 ])
 def test_what_the_config_leaves_unmodelled_is_refused_naming_its_key(kwargs, said) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
@@ -65,3 +65,70 @@ def test_what_the_config_leaves_unmodelled_is_refused_naming_its_key(kwargs, sai
         f"ckpt.memory=1GiB cannot be planned under trainer.strategy CPUDeepSpeedStrategy (ZeRO stage "
         f"{kwargs['stage']}): {said}"), problem.problem
     assert zero_refused(CPUDeepSpeedStrategy(stage=2), "ckpt.memory", "1GiB") is None
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"stage": 3, "offload_parameters": True}, "offload to host memory is not modelled yet "
+                                               "(zero_optimization.offload_param)"),
+])
+def test_zero_3_with_offload_is_refused_naming_its_key_and_without_it_is_planned(kwargs, said) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    from cpu_strategies import CPUDeepSpeedStrategy
+
+    from ckpt_plugin.lightning.zero import deepspeed_linear, zero_refused
+
+    (problem,) = zero_refused(CPUDeepSpeedStrategy(**kwargs), "ckpt.batch", "max").problems
+    assert problem.problem.startswith("ckpt.batch=max cannot be planned under trainer.strategy CPUDeepSpeedStrategy "
+                                      f"(ZeRO stage 3): {said}"), problem.problem
+    assert zero_refused(CPUDeepSpeedStrategy(stage=3), "ckpt.memory", "1GiB") is None
+    assert deepspeed_linear(CPUDeepSpeedStrategy(stage=3)) and not deepspeed_linear(CPUDeepSpeedStrategy(stage=2))
+
+
+def test_a_zero_3_rank_holds_its_partitions_a_master_copy_its_gradients_partitions_and_one_reduce_buffer() -> None:
+    """The module's step with ZeRO-3's gathering played on it: its parameters 1,000 B whole, of which 800 B are
+    partitioned (the rest kept whole), the gathered ones counted among its parameters (here 600 B at backward's
+    peak); 250 elements, 2 ranks: partitions of 125 elements."""
+    module = StepSplit(
+        peak=9_999, at_peak={"parameter": 1_600, "gradient": 1_000, "optstate": 2_000, "activation": 5_000},
+        gradless={"parameter": 1_600, "gradient": 400, "optstate": 2_000, "activation": 5_000, "temp": 300},
+        in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),))
+    zero = Zero3(world=2, reduce_bucket_size=1_000)
+    step = rank_step3(module, zero, partitions=125, trained=125, whole=800, largest=50)
+    own = 125 * 4  # the parameters' partitions; as much again: the float32 master copy; and the gradients'
+    backward = (1_600 - 800 + own + own) + own + 2_000 // 2 + 5_000 + 300 + 50 * 4
+    assert step.peak == backward + 64 + 1_000 * 4
+    assert step.at_peak["parameter"] == 1_600 - 800 + 2 * own and step.at_peak["gradient"] == own
+    assert [h.by for h in step.held] == ["the batch", "DeepSpeed's reduce buffer (reduce_bucket_size=1000 elements)"]
+
+
+def _gathered_peak(redirected: bool) -> int:
+    """The parameters' peak of a two-layer module's fake step with ZeRO-3's gathering played on it: 2 ranks,
+    nothing kept whole, every prefetch and reuse allowed."""
+    import torch
+    from torch import nn
+
+    from ckpt_plugin.apply.zero import rank_steps
+    from ckpt_plugin.engine.plan import WrapPlan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 20, bias=False), nn.ReLU(), nn.Linear(20, 10, bias=False))
+    x = torch.randn(3, 10)
+    zero = Zero3(world=2, reduce_bucket_size=1_000, prefetch_bucket_size=10**9, param_persistence_threshold=0)
+    steps = rank_steps(model, lambda rows: lambda: model(x).sum(), [torch.optim.SGD(model.parameters(), lr=0.1)],
+                       lambda rows: (), zero, redirected=redirected)
+    return steps.steps.of(WrapPlan()).peaks["param"]
+
+
+def test_zero_3_gathers_as_deepspeed_prefetching_once_its_trace_is_complete() -> None:
+    """Called as an engine calls it (its step a call of the module): the second step's trace is complete, so the
+    first fetch prefetches both weights into one flat buffer (100 elements of each rank's, 2 ranks: 400 elements),
+    copied out whole when the first is waited for (200 + 200); the buffer lives until the second is fetched.
+    Besides, the step's own whole weights: 1,600 B."""
+    assert _gathered_peak(redirected=False) == 1_600 + 400 * 4 + 400 * 4
+
+
+def test_zero_3_under_lightning_gathers_each_layer_alone() -> None:
+    """As Lightning runs a step under DeepSpeed (training_step as a call of the module, which calls the module
+    again), DeepSpeed resets its trace twice a step and never completes it: no prefetch, each weight gathered
+    alone (a buffer of its own, 200 elements) when its layer runs and released after."""
+    assert _gathered_peak(redirected=True) == 1_600 + 200 * 4

@@ -94,6 +94,7 @@ from ckpt_plugin.lightning.step import (
 )
 from ckpt_plugin.lightning.strategies import fake_step_refused, planning_refused, plans_before_wrapping, prepare
 from ckpt_plugin.lightning.wrapped import check_fixed_mode, report_rows, say_what_was_wrapped
+from ckpt_plugin.lightning.zero import is_zero3
 from ckpt_plugin.measure.fake import NotFakeable
 from ckpt_plugin.measure.memory import SavedCounter
 from ckpt_plugin.measure.report import StepMeasure, WrapReport, measure_step
@@ -284,7 +285,8 @@ class ActivationCheckpointing(pl.Callback):
             rank_zero_info(plan.summary)
         self.planned = plan.planned
         self._batches = 0
-        self.step_watch = StepWatch(plan.fit.split, plan.fit.limit) if plan.fit is not None else None
+        self.step_watch = StepWatch(plan.fit.split, plan.fit.limit, batch_passed=is_zero3(trainer.strategy)
+                                    ) if plan.fit is not None else None
         rows, options = report_rows(pl_module, plan)
         unmeasured = fake_step_refused(trainer.strategy, backward=bool(options))
         without: StepMeasure | NotFakeable | None = None  # the step as given, before anything is installed

@@ -204,8 +204,11 @@ class StepWatch:
     allocator's peak too (``torch.cuda.max_memory_allocated``, which also counts what MemTracker does not see:
     the batch, the allocator's rounding)."""
 
-    def __init__(self, predicted: StepSplit, limit: int | None = None) -> None:
+    def __init__(self, predicted: StepSplit, limit: int | None = None, batch_passed: bool = False) -> None:
         self.predicted = predicted
+        # The strategy's hooks pass the batch through an op (DeepSpeed ZeRO-3 detaches each module's inputs), so
+        # MemTracker counts its storage: then it is not added again.
+        self.batch_passed = batch_passed
         self.limit = limit  # ckpt.memory in bytes, as the plan resolved it
         self.measured: StepSplit | None = None
         self.cuda_peak: int | None = None
@@ -232,9 +235,8 @@ class StepWatch:
             return None
         tracker, self._tracker = self._tracker, None
         tracker.__exit__(None, None, None)
-        # Unless the step passed it through an op MemTracker saw (DeepSpeed ZeRO-3 detaches each module's inputs):
-        # then MemTracker counted it already.
-        batch = Held(self._batch.bytes - seen_bytes(tracker, self._batch_tensors), self._batch.by)
+        seen = seen_bytes(tracker, self._batch_tensors) if self.batch_passed else 0
+        batch = Held(self._batch.bytes - seen, self._batch.by)
         self._batch_tensors = None
         self.measured = split_of(tracker).holding((batch,))
         if pl_module.device.type == "cuda":

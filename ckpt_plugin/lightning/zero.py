@@ -52,8 +52,9 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
     why, what = None, ""
     if stage not in (1, 2, 3):
         why, what = f"ZeRO stage {stage} shards nothing: plan it as DDP", "zero_optimization.stage"
-    elif any(str((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")):
-        why, what = "offload to host memory is not modelled yet", "zero_optimization.offload_optimizer"
+    elif offloaded := [k for k in ("offload_optimizer", "offload_param")
+                       if str((zero.get(k) or {}).get("device", "none")) != "none"]:
+        why, what = "offload to host memory is not modelled yet", f"zero_optimization.{offloaded[0]}"
     elif not zero.get("contiguous_gradients", _DEFAULTS["contiguous_gradients"]):
         why = ("with contiguous_gradients=false the gradients stay whole until their bucket is reduced: not "
                "modelled yet")
@@ -75,12 +76,17 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
     )])
 
 
+def is_zero3(strategy: Any) -> bool:
+    """Whether ``strategy`` is DeepSpeed's ZeRO-3 (its hooks gather each module's parameters, and detach its
+    inputs: MemTracker then counts the batch as the step's own)."""
+    return is_deepspeed(strategy) and int(_section(strategy).get("stage", 0)) == 3
+
+
 def deepspeed_linear(strategy: Any) -> bool:
     """Whether the strategy's engine runs ``torch.nn.functional.linear`` as DeepSpeed's own (ZeRO-3's
     ``memory_efficient_linear``, on by default): then ckpt=auto plans without selective options
     (``planning/options.without_selective``)."""
-    zero = _section(strategy) if is_deepspeed(strategy) else {}
-    return int(zero.get("stage", 0)) == 3 and bool(zero.get("memory_efficient_linear", True))
+    return is_zero3(strategy) and bool(_section(strategy).get("memory_efficient_linear", True))
 
 
 def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sample,
@@ -144,4 +150,4 @@ def tracked(optimizers: Sequence[Any]) -> list[Any]:
     return out
 
 
-__all__ = ["deepspeed_linear", "is_deepspeed", "tracked", "zero_refused", "zero_steps"]
+__all__ = ["deepspeed_linear", "is_deepspeed", "is_zero3", "tracked", "zero_refused", "zero_steps"]
