@@ -31,6 +31,7 @@ parameters are still there: :func:`apply.zero3.rank_step3` takes them out.
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -97,6 +98,7 @@ class Gathering:
         self.trace: tuple[tuple[nn.Parameter, int], ...] = ()
         self.running = False
         self.backward_open: dict[int, nn.Module] = {}
+        self.deferred: list[nn.Parameter] = []  # released in backward, at the next fetch (release())
         self.queue: deque[tuple[nn.Parameter, int]] = deque()
         self.fetched_for: dict[int, int] = defaultdict(lambda: _NEVER)
         self.step = self.available = 0
@@ -196,6 +198,8 @@ class Gathering:
     def fetch(self, m: nn.Module, forward: bool) -> None:
         if id(m) not in self.members:
             return
+        deferred, self.deferred = self.deferred, []
+        self._release_now(deferred)
         if forward and not self.running:  # a step starts
             self.running = True
             self.partition_all()
@@ -262,11 +266,24 @@ class Gathering:
             self.backward_open.pop(id(m), None)
         for p in params:
             self.active[id(p)].discard(id(m))
-            if id(p) in going:
-                self._release(p)
+        released = [p for p in params if id(p) in going]
+        if forward:
+            self._release_now(released)
+        else:
+            # DeepSpeed releases in a node of the graph (on the module's inputs), which autograd runs after the
+            # parameters' gradients are accumulated (AccumulateGrad goes first); the hook here fires before,
+            # and a gradient accumulated into an emptied parameter is copied to its (empty) shape. So the
+            # release waits for the next fetch (or backward's end), which runs after them.
+            self.deferred += released
+
+    def _release_now(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            self._release(p)
         self._drop_buffers()
 
     def _backward_end(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        self._release_now(deferred)
         for m in list(self.backward_open.values()):  # DeepSpeed's release_backward_leftovers
             for p in self._direct(m):
                 self.active[id(p)].discard(id(m))
@@ -293,7 +310,10 @@ def gathering(model: nn.Module, zero: Zero3, redirected: bool = False) -> Iterat
     tracker = ModTracker()
     tracker.register_user_hooks(
         lambda m, _args: coordinator.fetch(m, forward=True),
-        lambda m, _args, _out: coordinator.release(m, forward=True),
+        # ModTracker's post-forward hook is called even where the forward raised (always_call): DeepSpeed's is
+        # not, and a checkpoint's recomputation stops early by raising, leaving its last module's parameters
+        # gathered until their backward (a release there would empty a parameter whose gradient is still due).
+        lambda m, _args, _out: sys.exc_info()[1] is None and coordinator.release(m, forward=True),
         lambda m, _grads: m is not None and coordinator.fetch(m, forward=False),
         lambda m, _grads: m is not None and coordinator.release(m, forward=False),
     )
