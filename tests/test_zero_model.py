@@ -99,6 +99,10 @@ def test_a_zero_3_rank_holds_its_partitions_a_master_copy_its_gradients_partitio
     assert step.peak == backward + 64 + 1_000 * 4
     assert step.at_peak["parameter"] == 1_600 - 800 + 2 * own and step.at_peak["gradient"] == own
     assert [h.by for h in step.held] == ["the batch", "DeepSpeed's reduce buffer (reduce_bucket_size=1000 elements)"]
+    # The optimizer's step ends gathering the parameters kept whole again (here 10,000 B of buffer and copies):
+    # its parameters then, its partitions and state, the gradients' partitions, above backward's peak.
+    ended = rank_step3(module, zero, partitions=125, trained=125, whole=800, largest=50, regather=10_000)
+    assert ended.peak == (1_000 + (own + own - 800) + 10_000) + own + 2_000 // 2 + 64 + 1_000 * 4
 
 
 def _gathered_peak(redirected: bool) -> int:

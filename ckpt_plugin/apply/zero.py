@@ -1,4 +1,6 @@
-"""One DeepSpeed ZeRO-1/2 rank's whole step, from the module's own step measured on fake tensors (issue #43).
+"""One DeepSpeed ZeRO rank's whole step, from the module's own step measured on fake tensors (issue #43): ZeRO-1/2
+here (:func:`rank_step`), ZeRO-3 from the same step with DeepSpeed's gathering played on it (:func:`rank_step3`,
+``apply/zero3_gather.py``).
 
 DeepSpeed's engine cannot be built on fake tensors, so its step is not measured: it is modelled, term by term,
 from what the module's step (``measure/whole_step.py``, one process, as under DDP) measured and what the
@@ -103,8 +105,8 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int 
                    held=(*split.held, zero.buffers), cuda_allocated=None, cuda_reserved=None)
 
 
-def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, whole: int, largest: int = 0
-               ) -> StepSplit:
+def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, whole: int, largest: int = 0,
+               regather: int = 0) -> StepSplit:
     """A ZeRO-3 rank's whole step, from ``split``: the module's step on fake tensors with ZeRO-3's gathering played
     on it (``apply/zero3_gather.py``: the gathered parameters filed as parameters, the partitioned ones still whole
     besides, ``whole`` bytes). ``partitions``: elements of the rank's partitions of every parameter; ``trained``:
@@ -112,7 +114,8 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     (DeepSpeed 0.19, ``runtime/zero/stage3.py``, float32): its partitions of the parameters (one flat buffer), a
     float32 master copy of the trained ones (a copy even in float32: ``_create_fp32_partitions`` compares a device
     with a device's name), the gradients' partitions (``grad_partitions_flat_buffer``), the optimizer's state on
-    the master copy, one reduce buffer (``reduce_bucket_size``)."""
+    the master copy, one reduce buffer (``reduce_bucket_size``). ``regather``: bytes the optimizer's step ends
+    with, gathering the parameters kept whole again (``_post_step``: a flat buffer and their new copies)."""
     back, opt = split.gradless, split.in_optimizer
     state = back.get("optstate", 0)
     own = partitions * FLOAT32
@@ -132,7 +135,10 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
                 "optstate": persistent["optstate"] + math.ceil(temporaries / zero.world),
                 "activation": opt.get("activation", 0), "temp": opt.get("temp", 0), "other": opt.get("other", 0),
                 "buffer": opt.get("buffer", 0)}
-    at_peak = max(backward, stepping, key=lambda c: sum(c.values()))
+    # Its end: the float32 gradients gone, the parameters kept whole gathered again beside their old copies.
+    ended = {**stepping, "parameter": stepping["parameter"] + regather, "gradient": persistent["gradient"],
+             "optstate": persistent["optstate"]}
+    at_peak = max(backward, stepping, ended, key=lambda c: sum(c.values()))
     buffers = Held(zero.reduce_bucket_size * FLOAT32,
                    f"DeepSpeed's reduce buffer (reduce_bucket_size={zero.reduce_bucket_size:g} elements)")
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + buffers.bytes
@@ -153,11 +159,13 @@ class ZeroSteps:
     partitions: int = 0  # ZeRO-3: elements of the rank's partitions, of every parameter and of those trained
     trained: int = 0
     whole: int = 0  # ZeRO-3: bytes of the partitioned parameters whole
+    regather: int = 0  # ZeRO-3: bytes of the optimizer's step's gathering of the parameters kept whole
 
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
         split = self.steps.of(plan, rows)
         if isinstance(self.zero, Zero3):
-            return rank_step3(split, self.zero, self.partitions, self.trained, self.whole, self.largest)
+            return rank_step3(split, self.zero, self.partitions, self.trained, self.whole, self.largest,
+                              self.regather)
         return rank_step(split, self.zero, self.groups, self.largest)
 
     @property
@@ -183,7 +191,15 @@ def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[],
     return ZeroSteps(steps, zero, groups, largest,
                      partitions=sum(zero.partition(p.numel()) for p in params),
                      trained=sum(zero.partition(p.numel()) for p in params if id(p) in trained),
-                     whole=sum(p.numel() * p.element_size() for p in params if id(p) not in kept))
+                     whole=sum(p.numel() * p.element_size() for p in params if id(p) not in kept),
+                     regather=_regather([p for p in params if id(p) in kept], zero))
+
+
+def _regather(kept: Sequence[torch.nn.Parameter], zero: Zero3) -> int:
+    """Bytes of one all-gather of the parameters ``kept`` whole (DeepSpeed's ``_post_step``): one alone into a
+    buffer of its own, which it keeps; several into a flat buffer, each copied out of it."""
+    flat = sum(zero.partition(p.numel()) * zero.world * p.element_size() for p in kept)
+    return flat if len(kept) < 2 else flat + sum(p.numel() * p.element_size() for p in kept)
 
 
 def _trained_groups(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> tuple[int, ...]:
