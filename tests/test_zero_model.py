@@ -103,6 +103,12 @@ def test_a_zero_3_rank_holds_its_partitions_a_master_copy_its_gradients_partitio
     # its parameters then, its partitions and state, the gradients' partitions, above backward's peak.
     ended = rank_step3(module, zero, partitions=125, trained=125, whole=800, largest=50, regather=10_000)
     assert ended.peak == (1_000 + (own + own - 800) + 10_000) + own + 2_000 // 2 + 64 + 1_000 * 4
+    # Backward's epilogue: the last bucket's gradients flattened and the reduce-scatter's buffer (every gradient
+    # here: 250 elements), one gradient in hand; above the rest where backward holds few activations.
+    light = StepSplit(peak=0, gradless={"parameter": 1_600, "activation": 100}, in_optimizer=module.in_optimizer,
+                      held=module.held)
+    step = rank_step3(light, zero, partitions=125, trained=125, whole=800, largest=50)
+    assert step.peak == (1_000 + 2 * own - 800) + own + 0 + 2 * 250 * 4 + 50 * 4 + 64 + 1_000 * 4
 
 
 def _gathered_peak(redirected: bool) -> int:

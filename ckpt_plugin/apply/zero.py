@@ -138,7 +138,12 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     # Its end: the float32 gradients gone, the parameters kept whole gathered again beside their old copies.
     ended = {**stepping, "parameter": stepping["parameter"] + regather, "gradient": persistent["gradient"],
              "optstate": persistent["optstate"]}
-    at_peak = max(backward, stepping, ended, key=lambda c: sum(c.values()))
+    # Backward's epilogue: the last bucket's gradients flattened for the reduce-scatter and its buffer beside
+    # (``__avg_scatter_grads``), up to a bucket or every gradient; the activations gone, one gradient in hand.
+    flat = min(zero.reduce_bucket_size, trained * zero.world) * FLOAT32
+    epilogue = {"parameter": stepping["parameter"], "buffer": opt.get("buffer", 0), "gradient": persistent["gradient"],
+                "optstate": persistent["optstate"], "temp": 2 * flat + in_hand}
+    at_peak = max(backward, stepping, ended, epilogue, key=lambda c: sum(c.values()))
     buffers = Held(zero.reduce_bucket_size * FLOAT32,
                    f"DeepSpeed's reduce buffer (reduce_bucket_size={zero.reduce_bucket_size:g} elements)")
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + buffers.bytes

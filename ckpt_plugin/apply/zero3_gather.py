@@ -106,9 +106,8 @@ class Gathering:
         # is gathered: each parameter's data is what DeepSpeed leaves in it (empty, or gathered), so that what
         # the step's ops keep of it (a checkpoint's recomputation keeps the gathered weights it saves until its
         # backward reads them) is kept as DeepSpeed's is.
-        self.whole: dict[int, torch.Tensor] = {}
         self.params = {id(p): p for p in model.parameters() if self._partitioned(p)}
-        self.whole = {i: p.data for i, p in self.params.items()}
+        self.whole: dict[int, torch.Tensor] = {i: p.data for i, p in self.params.items()}
 
     # the step's bounds --------------------------------------------------------------------------------------
 
