@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 for ``python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_1,deepspeed_stage_2``: rank 0's
+"""DeepSpeed ZeRO for ``python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_N`` (N = 1, 2, 3): rank 0's
 prediction (the module's step on fake tensors, modelled as a rank's: ``ckpt_plugin/apply/zero.py``) and every
 rank's real step (a DeepSpeed engine over gloo on the CPU, its second step measured with MemTracker, DeepSpeed's
 own tensors followed as the callback follows them).

@@ -11,7 +11,8 @@ from here (``from ckpt_plugin._compat import user_module``):
 - ``ops``: ops as the dispatcher sees them (dispatch modes, schemas, FLOPs);
 - ``tensors``: a tensor's storage, version counter, base, and the saved-tensor hooks in force;
 - ``pytree``: torch's pytree;
-- ``memory``: MemTracker with per-category peaks, ModTracker, a tensor filed as a parameter, backward's end;
+- ``memory``: MemTracker with per-category peaks, ModTracker, a tensor filed as a parameter, the
+  end of backward, a batch MemTracker counted;
 - ``fsdp``: FSDP (v1) and FSDP2 on fake tensors with fake process groups (a rank's sharded step, measured);
 - ``regions``: non-reentrant checkpoint internals (regions opened by hooks, their frames);
 - ``checkpoint``: the engine's non-reentrant checkpoint calls, whose early stop survives libraries that re-wrap exceptions;

@@ -1,5 +1,6 @@
 """``MemTracker`` (private: ``torch.distributed._tools``) as the measurements use it: each category's own peak,
-recomputation counted as activations, frozen parameters tracked."""
+recomputation counted as activations, frozen parameters tracked; ModTracker, whose module hooks ZeRO-3's played
+gathering runs on (``apply/zero3_gather.py``)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,6 @@ def seen_bytes(tracker: MemTracker, tensors: Any) -> int:
     storages = {id(t.untyped_storage()): t.untyped_storage() for t in tree_leaves(tensors)
                 if isinstance(t, torch.Tensor)}
     return sum(s.nbytes() for s in storages.values() if s in tracker._WINFO)
+
+
+__all__ = ["CategoryPeakTracker", "MemTracker", "ModTracker", "as_parameter", "at_backward_end", "seen_bytes"]
