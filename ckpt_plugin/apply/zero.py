@@ -119,30 +119,30 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     back, opt = split.gradless, split.in_optimizer
     state = back.get("optstate", 0)
     own = partitions * FLOAT32
-    persistent = {"parameter": own + trained * FLOAT32 - whole, "gradient": trained * FLOAT32,
-                  "optstate": math.ceil(state / zero.world)}
+    steady = {"parameter": own + trained * FLOAT32 - whole, "gradient": trained * FLOAT32,  # through the step
+              "optstate": math.ceil(state / zero.world)}
     in_hand = largest * FLOAT32  # one gradient made whole before its copy into the reduce buffer
     # Forward and backward, the module's gradients left out (they go to the reduce buffer as backward makes them,
     # and the step before's are gone: the rank's are its partitions): its peak without them.
-    backward = {"parameter": back.get("parameter", 0) + persistent["parameter"], "buffer": back.get("buffer", 0),
-                "gradient": persistent["gradient"], "optstate": persistent["optstate"],
+    backward = {"parameter": back.get("parameter", 0) + steady["parameter"], "buffer": back.get("buffer", 0),
+                "gradient": steady["gradient"], "optstate": steady["optstate"],
                 "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
                 "other": back.get("other", 0)}
     # The optimizer's step: the gradients flattened into a float32 copy of the trained partition
     # (``_prepare_fp32_grad_for_sub_group``), the optimizer's own temporaries on the partition alone.
     temporaries = max(opt.get("optstate", 0) - state, 0)
-    stepping = {"parameter": opt.get("parameter", 0) + persistent["parameter"], "gradient": 2 * trained * FLOAT32,
-                "optstate": persistent["optstate"] + math.ceil(temporaries / zero.world),
+    stepping = {"parameter": opt.get("parameter", 0) + steady["parameter"], "gradient": 2 * trained * FLOAT32,
+                "optstate": steady["optstate"] + math.ceil(temporaries / zero.world),
                 "activation": opt.get("activation", 0), "temp": opt.get("temp", 0), "other": opt.get("other", 0),
                 "buffer": opt.get("buffer", 0)}
     # Its end: the float32 gradients gone, the parameters kept whole gathered again beside their old copies.
-    ended = {**stepping, "parameter": stepping["parameter"] + regather, "gradient": persistent["gradient"],
-             "optstate": persistent["optstate"]}
+    ended = {**stepping, "parameter": stepping["parameter"] + regather, "gradient": steady["gradient"],
+             "optstate": steady["optstate"]}
     # Backward's epilogue: the last bucket's gradients flattened for the reduce-scatter and its buffer beside
     # (``__avg_scatter_grads``), up to a bucket or every gradient; the activations gone, one gradient in hand.
     flat = min(zero.reduce_bucket_size, trained * zero.world) * FLOAT32
-    epilogue = {"parameter": stepping["parameter"], "buffer": opt.get("buffer", 0), "gradient": persistent["gradient"],
-                "optstate": persistent["optstate"], "temp": 2 * flat + in_hand}
+    epilogue = {"parameter": stepping["parameter"], "buffer": opt.get("buffer", 0), "gradient": steady["gradient"],
+                "optstate": steady["optstate"], "temp": 2 * flat + in_hand}
     at_peak = max(backward, stepping, ended, epilogue, key=lambda c: sum(c.values()))
     buffers = Held(zero.reduce_bucket_size * FLOAT32,
                    f"DeepSpeed's reduce buffer (reduce_bucket_size={zero.reduce_bucket_size:g} elements)")
