@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ckpt_plugin._compat import ModTracker, as_parameter, at_backward_end
+from ckpt_plugin.engine.deepspeed import memory_efficient_linear
 
 _NEVER = -10**10  # the step a parameter was last fetched for, before any (DeepSpeed's int(-1e10))
 
@@ -303,9 +304,7 @@ def gathering(model: nn.Module, zero: Zero3, redirected: bool = False) -> Iterat
     coordinator = Gathering(model, zero, redirected)
     linear = torch.nn.functional.linear
     if zero.memory_efficient_linear:  # DeepSpeed's own linear, as its engine installs it for the process (zero.Init)
-        from deepspeed.runtime.zero.linear import zero3_linear_wrap
-
-        torch.nn.functional.linear = zero3_linear_wrap
+        torch.nn.functional.linear = memory_efficient_linear()
     tracker = ModTracker()
     tracker.register_user_hooks(
         lambda m, _args: coordinator.fetch(m, forward=True),

@@ -1,4 +1,5 @@
-"""DeepSpeed's own checkpoint for the engine: ``configure`` with every option, and one checkpointed call.
+"""DeepSpeed's own checkpoint for the engine: ``configure`` with every option, and one checkpointed call; and
+ZeRO-3's linear, which its engine installs for the process.
 
 Used when ``ckpt.deepspeed`` is set (see ``config/deepspeed.py`` for why the
 plugin otherwise keeps torch's checkpoint under DeepSpeed). DeepSpeed is
@@ -51,4 +52,13 @@ def checkpointed_call(fn: Callable[..., Any], stats: list, *args: Any, **kwargs:
     return deepspeed.checkpointing.checkpoint(run, *args, **kwargs)  # it passes keyword tensors on itself
 
 
-__all__ = ["checkpointed_call", "configure"]
+def memory_efficient_linear() -> Callable[..., Any]:
+    """DeepSpeed's ZeRO-3 ``torch.nn.functional.linear`` (``memory_efficient_linear``, which its engine installs for
+    the whole process): an ``autograd.Function`` that saves the weight itself for backward, not a view of its data.
+    ZeRO-3's gathering, played on the fake step, runs under it (``apply/zero3_gather.py``)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    return zero3_linear_wrap
+
+
+__all__ = ["checkpointed_call", "configure", "memory_efficient_linear"]
