@@ -77,7 +77,8 @@ def persistent(model: nn.Module, zero: Zero3) -> set[int]:
 
 
 class _Handle:
-    """One all-gather in flight: its parameters and the flat buffer they arrive in."""
+    """One all-gather in flight: its parameters and the flat buffer they arrive in, held for as long as the
+    handle is (``Gathering.inflight``: until the last of its parameters is waited for)."""
 
     def __init__(self, params: list[nn.Parameter], buffer: torch.Tensor | None) -> None:
         self.params, self.buffer, self.complete = params, buffer, False
@@ -157,14 +158,7 @@ class Gathering:
             return
         for q in handle.params:  # each copied out whole when the first is waited for
             self._hold(q, self._alloc(q, self._numel(q)))
-        handle.complete = True
-        if not any(self.inflight.get(id(q)) is handle for q in handle.params):
-            handle.buffer = None
-
-    def _drop_buffers(self) -> None:
-        for handle in {id(h): h for h in self.inflight.values()}.values():
-            if handle.complete and not any(self.inflight.get(id(q)) is handle for q in handle.params):
-                handle.buffer = None
+        handle.complete = True  # its flat buffer goes with it, once the last of its parameters is waited for
 
     def _alloc(self, like: torch.Tensor, numel: int) -> torch.Tensor:
         t = like.new_empty((numel,), requires_grad=False)
@@ -279,7 +273,6 @@ class Gathering:
     def _release_now(self, params: list[nn.Parameter]) -> None:
         for p in params:
             self._release(p)
-        self._drop_buffers()
 
     def _backward_end(self) -> None:
         deferred, self.deferred = self.deferred, []

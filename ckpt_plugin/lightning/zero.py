@@ -24,10 +24,13 @@ from ckpt_plugin.measure.whole_step import Held
 # DeepSpeed's own defaults where the config leaves a key out (deepspeed/runtime/zero/config.py, 0.19): Lightning's
 # DeepSpeedStrategy writes every key (reduce_bucket_size 2e8, overlap_comm and contiguous_gradients on); a config
 # file given to it (``config=``) may not.
-_DEFAULTS = {"reduce_bucket_size": 500_000_000, "overlap_comm": False, "contiguous_gradients": True,
-             "stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 1_000_000_000,
-             "stage3_max_reuse_distance": 1_000_000_000, "stage3_param_persistence_threshold": 100_000,
-             "stage3_model_persistence_threshold": 2**63 - 1}
+_DEFAULTS = {"reduce_bucket_size": 500_000_000, "overlap_comm": False, "contiguous_gradients": True}
+# ZeRO-3's keys -> the terms of apply/zero3_gather.Zero3, whose defaults are DeepSpeed's where the config has none
+_ZERO3_KEYS = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
+               "stage3_max_live_parameters": "max_live_parameters",
+               "stage3_max_reuse_distance": "max_reuse_distance",
+               "stage3_param_persistence_threshold": "param_persistence_threshold",
+               "stage3_model_persistence_threshold": "model_persistence_threshold"}
 _FP32 = ("32-true", "32")
 
 
@@ -112,12 +115,8 @@ def _zero_of(section: dict[str, Any], world: int) -> Zero | Zero3:
         return int(float(section.get(key, _DEFAULTS[key])))
 
     if int(section["stage"]) == 3:
-        return Zero3(world=world, reduce_bucket_size=number("reduce_bucket_size"),
-                     prefetch_bucket_size=number("stage3_prefetch_bucket_size"),
-                     max_live_parameters=number("stage3_max_live_parameters"),
-                     max_reuse_distance=number("stage3_max_reuse_distance"),
-                     param_persistence_threshold=number("stage3_param_persistence_threshold"),
-                     model_persistence_threshold=number("stage3_model_persistence_threshold"),
+        given = {term: int(float(section[key])) for key, term in _ZERO3_KEYS.items() if key in section}
+        return Zero3(world=world, reduce_bucket_size=number("reduce_bucket_size"), **given,
                      memory_efficient_linear=bool(section.get("memory_efficient_linear", True)))
     return Zero(stage=int(section["stage"]), world=world, reduce_bucket_size=number("reduce_bucket_size"),
                 overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
