@@ -5,6 +5,7 @@
     python -m ckpt_tools.fit_fsdp --strategy fsdp,fsdp2       # both FSDPs, one launch
     python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_2  # DeepSpeed ZeRO-2, its rank's step modelled
     python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_3  # ZeRO-3, its gathering played on the fake step
+    python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_3_offload  # ZeRO-3, optimizer and parameters offloaded
 
 ``fit_check``'s checks (the same models, optimizers, limits and tables), each on
 ``--world`` gloo processes on the CPU, the model sharded with one unit per layer
@@ -90,7 +91,9 @@ STRATEGIES = {"fsdp": "FSDP (v1, FULL_SHARD)", "fsdp2": "FSDP2 (fully_shard on e
               "deepspeed_stage_1": "DeepSpeed ZeRO-1 (fp32, modelled: ckpt_tools/zero_ranks.py)",
               "deepspeed_stage_2": "DeepSpeed ZeRO-2 (fp32, modelled: ckpt_tools/zero_ranks.py)",
               "deepspeed_stage_3": "DeepSpeed ZeRO-3 (fp32, its gathering played on the fake step: "
-                                   "ckpt_tools/zero_ranks.py)"}
+                                   "ckpt_tools/zero_ranks.py)",
+              "deepspeed_stage_3_offload": "DeepSpeed ZeRO-3, optimizer and parameters offloaded to host memory "
+                                           "(the device here: counted)"}
 # ZeRO's step is modelled, an upper bound of every rank's (ckpt_plugin/apply/zero.py): issue #43's mark for it.
 ZERO_TOLERANCE = 0.05
 

@@ -31,7 +31,11 @@ from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 
 BUCKET = 50_000  # reduce_bucket_size and allgather_bucket_size, elements (400 KB of buffers with overlap_comm)
-STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3}
+STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3, "deepspeed_stage_3_offload": 3}
+# Lightning's deepspeed_stage_3_offload: the optimizer (master copy, gradients' partitions, state) and the parameters'
+# partitions in host memory. On the CPU the host is the device: the offloaded bytes stay in the step. A torch
+# optimizer steps the host copy (DeepSpeed's own CPU Adam needs an op built: zero_force_ds_cpu_optimizer off).
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
 # ZeRO-3's, sized to the models' scale as BUCKET is: prefetch a bucket's worth, keep whole only parameters of at
 # most PERSIST elements (norms, biases), release what is not used again within a bucket's worth of the trace
 # (DeepSpeed's default, 1e9, keeps every parameter of these models whole from its first use to its backward).
@@ -42,9 +46,11 @@ STAGE3 = {"stage3_prefetch_bucket_size": BUCKET, "stage3_param_persistence_thres
 
 def zero_of(strategy: str) -> Zero | Zero3:
     if STAGES[strategy] == 3:
+        offload = strategy.endswith("_offload")
         return Zero3(world=dist.get_world_size(), reduce_bucket_size=BUCKET, prefetch_bucket_size=BUCKET,
                      max_live_parameters=STAGE3["stage3_max_live_parameters"],
-                     max_reuse_distance=STAGE3["stage3_max_reuse_distance"], param_persistence_threshold=PERSIST)
+                     max_reuse_distance=STAGE3["stage3_max_reuse_distance"], param_persistence_threshold=PERSIST,
+                     offload_optimizer=offload, offload_param=offload, host_is_device=True)
     return Zero(stage=STAGES[strategy], world=dist.get_world_size(), reduce_bucket_size=BUCKET, overlap_comm=True)
 
 
@@ -65,9 +71,10 @@ def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # as tests/cpu_strategies.py: not needed
     deepspeed.init_distributed("gloo")  # the default group is up already: DeepSpeed's comm wraps it
     zero = {"stage": STAGES[strategy], "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
-            "overlap_comm": True, "contiguous_gradients": True, **(STAGE3 if STAGES[strategy] == 3 else {})}
+            "overlap_comm": True, "contiguous_gradients": True, **(STAGE3 if STAGES[strategy] == 3 else {}),
+            **(OFFLOAD if strategy.endswith("_offload") else {})}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 2**31 - 1}
+              "steps_per_print": 2**31 - 1, "zero_force_ds_cpu_optimizer": False}
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         args=argparse.Namespace(device_rank=rank),  # CPU devices have no index (as tests/cpu_strategies.py)
         model=model, optimizer=optimizer, config=config, dist_init_required=False)

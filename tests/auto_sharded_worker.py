@@ -57,11 +57,21 @@ def strategy_of(name: str) -> Any:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+    if name == "cuda_deepspeed_zero3_offload":  # one GPU (the GPU check): Lightning's deepspeed_stage_3_offload
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+        strategy.config["zero_force_ds_cpu_optimizer"] = False  # SGD steps the host copy: no CPU Adam op to build
+        return strategy
     if name.startswith("deepspeed_zero"):  # deepspeed_zero3_bf16: its precision, the Trainer's (fit)
         # _buckets: reduce buffers of 1e4 elements (Lightning's default, 2e8, is 1.6 GB of them with overlap_comm)
         buckets = dict(reduce_bucket_size=10_000, allgather_bucket_size=10_000) if "_buckets" in name else {}
-        offload = dict(offload_optimizer=True) if name.endswith("_offload") else {}
+        # _offload: Lightning's deepspeed_stage_3_offload (optimizer and parameters to cpu); a torch optimizer steps
+        # the host copy (DeepSpeed's CPU Adam needs an op built)
+        offload = dict(offload_optimizer=True, offload_parameters=True) if name.endswith("_offload") else {}
         strategy = CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]), **buckets, **offload)
+        if offload:
+            strategy.config["zero_force_ds_cpu_optimizer"] = False
         if name.startswith("deepspeed_zero3_buckets"):  # ZeRO-3 at this model's scale: the norms and biases kept
             # whole, the rest gathered a bucket's worth ahead and released unless used again within one
             strategy.config["zero_optimization"].update(
@@ -114,7 +124,9 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
         callback = ActivationCheckpointing(layers="TransformerBlock", **keys)
         callbacks.insert(0, callback)
     precision = "bf16-mixed" if strategy.endswith("_bf16") else "32-true"
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_of(strategy), logger=False,
+    cuda = strategy.startswith("cuda_")
+    trainer = pl.Trainer(accelerator="cuda" if cuda else "cpu", devices=1 if cuda else 2,
+                         strategy=strategy_of(strategy), logger=False,
                          max_steps=2 if keys and "memory" in keys else 1,  # ckpt.memory's check: the second step
                          precision=precision,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -151,7 +163,8 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
         watch = callback.step_watch if callback else None
         if watch is not None and watch.measured is not None:  # ckpt.memory: the second step, predicted and measured
             result.update(limit=watch.limit, predicted=watch.predicted.peak, measured=watch.measured.peak,
-                          split=str(watch.measured), peaks=watch.measured.peaks)
+                          split=str(watch.measured), peaks=watch.measured.peaks, cuda_peak=watch.cuda_peak,
+                          offloaded=[s.offloaded.bytes if s.offloaded else 0 for s in (watch.predicted, watch.measured)])
         torch.save(full_parameters(trainer, net), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     return trainer

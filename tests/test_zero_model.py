@@ -26,7 +26,7 @@ def test_a_rank_holds_its_partitions_the_buffers_and_the_module_s_activations_wi
     zero = Zero(stage=2, world=2, reduce_bucket_size=1_000, overlap_comm=True)
     step = rank_step(MODULE, zero, groups=[250], largest=50)
     partition = 125 * 4
-    persistent = 1_000 + 2 * partition + partition + 2_000 // 2  # parameters, 2 gradient partitions, master + state
+    persistent = 1_000 + partition + 2_000 // 2  # parameters, master copy + state (no gradient outlives a step)
     backward = persistent + 5_000 + 300 + 50 * 4  # the module's backward without its gradients, one in hand
     assert step.peak == backward + 64 + 2 * 1_000 * 4
     assert [h.bytes for h in step.held] == [64, 8_000]
@@ -39,13 +39,13 @@ def test_with_more_gradients_than_a_bucket_a_partition_is_reduced_while_activati
     zero = Zero(stage=1, world=2, reduce_bucket_size=100, overlap_comm=False)
     step = rank_step(MODULE, zero, groups=[250], largest=50)
     partition = 125 * 4
-    persistent = 1_000 + 2 * partition + partition + 1_000
+    persistent = 1_000 + partition + 1_000
     late = 8_000 - 1_000 - 2_000  # what else the module's backward held then
     assert step.peak == persistent + late + (partition + 50 * 4) + 50 * 4 + 64 + 100 * 4
 
 
 @pytest.mark.parametrize(("kwargs", "said"), [
-    ({"stage": 2, "offload_optimizer": True}, "offload to host memory is not modelled yet "
+    ({"stage": 2, "offload_optimizer": True}, "offload under ZeRO stage 2 is not modelled yet (under ZeRO-3 it is) "
                                               "(zero_optimization.offload_optimizer)"),
     ({"stage": 2, "contiguous_gradients": False}, "with contiguous_gradients=false the gradients stay whole until "
                                                   "their bucket is reduced: not modelled yet "
@@ -67,19 +67,27 @@ def test_what_the_config_leaves_unmodelled_is_refused_naming_its_key(kwargs, sai
     assert zero_refused(CPUDeepSpeedStrategy(stage=2), "ckpt.memory", "1GiB") is None
 
 
-@pytest.mark.parametrize(("kwargs", "said"), [
-    ({"stage": 3, "offload_parameters": True}, "offload to host memory is not modelled yet "
-                                               "(zero_optimization.offload_param)"),
+@pytest.mark.parametrize(("kwargs", "ratio", "said"), [
+    ({"offload_parameters": True, "offload_params_device": "nvme", "nvme_path": "/local_nvme"}, 1.0,
+     "offload to nvme is not modelled yet (to cpu it is) (zero_optimization.offload_param.device)"),
+    ({"offload_optimizer": True}, 0.5, "offloading part of the optimizer is not modelled yet (all of it is: ratio "
+                                       "1.0) (zero_optimization.offload_optimizer.ratio)"),
 ])
-def test_zero_3_with_offload_is_refused_naming_its_key_and_without_it_is_planned(kwargs, said) -> None:
+def test_zero_3_offload_to_cpu_is_planned_and_to_nvme_or_in_part_is_refused_naming_its_key(kwargs, ratio, said) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     from cpu_strategies import CPUDeepSpeedStrategy
 
     from ckpt_plugin.lightning.zero import deepspeed_linear, zero_refused
 
-    (problem,) = zero_refused(CPUDeepSpeedStrategy(**kwargs), "ckpt.batch", "max").problems
+    strategy = CPUDeepSpeedStrategy(stage=3, **kwargs)
+    if ratio != 1.0:
+        strategy.config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
+    (problem,) = zero_refused(strategy, "ckpt.batch", "max").problems
     assert problem.problem.startswith("ckpt.batch=max cannot be planned under trainer.strategy CPUDeepSpeedStrategy "
                                       f"(ZeRO stage 3): {said}"), problem.problem
+    # Lightning's deepspeed_stage_3_offload (both to cpu) is planned, as ZeRO-3 without offload
+    offload = CPUDeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True)
+    assert zero_refused(offload, "ckpt.memory", "1GiB") is None
     assert zero_refused(CPUDeepSpeedStrategy(stage=3), "ckpt.memory", "1GiB") is None
     assert deepspeed_linear(CPUDeepSpeedStrategy(stage=3)) and not deepspeed_linear(CPUDeepSpeedStrategy(stage=2))
 
@@ -109,6 +117,32 @@ def test_a_zero_3_rank_holds_its_partitions_a_master_copy_its_gradients_partitio
                       held=module.held)
     step = rank_step3(light, zero, partitions=125, trained=125, whole=800, largest=50)
     assert step.peak == (1_000 + 2 * own - 800) + own + 0 + 2 * 250 * 4 + 50 * 4 + 64 + 1_000 * 4
+
+
+def test_zero_3_offload_leaves_the_device_s_step_on_a_gpu_and_stays_in_it_where_the_host_is_the_device() -> None:
+    """The same module under Lightning's deepspeed_stage_3_offload (optimizer and parameters to cpu): the
+    partitions (500 B), the master copy (500 B), the gradients' partitions and the master copy's own float32
+    gradient (500 B each, both kept), the optimizer's state on the partition (1,000 B) are in host memory."""
+    module = StepSplit(
+        peak=9_999, at_peak={"parameter": 1_600, "gradient": 1_000, "optstate": 2_000, "activation": 5_000},
+        gradless={"parameter": 1_600, "gradient": 400, "optstate": 2_000, "activation": 5_000, "temp": 300},
+        in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),))
+    terms = {"partitions": 125, "trained": 125, "whole": 800, "largest": 50}
+    on_gpu = rank_step3(module, Zero3(world=2, reduce_bucket_size=1_000, offload_optimizer=True,
+                                      offload_param=True), **terms)
+    # backward: the gathered parameters (1,600 B less the 800 B whole), activations, temporaries, one gradient
+    assert on_gpu.peak == (1_600 - 800) + 5_000 + 300 + 50 * 4 + 64 + 1_000 * 4
+    assert on_gpu.at_peak["gradient"] == on_gpu.at_peak["optstate"] == 0
+    assert on_gpu.offloaded == Held(500 + 500 + 2 * 500 + 1_000, "offloaded to host memory (not on the device: not "
+                                                                  "counted)")
+    on_cpu = rank_step3(module, Zero3(world=2, reduce_bucket_size=1_000, offload_optimizer=True, offload_param=True,
+                                      host_is_device=True), **terms)
+    assert on_cpu.peak == on_gpu.peak + 3_000 and on_cpu.at_peak["gradient"] == 2 * 500
+    assert on_cpu.offloaded is not None and on_cpu.offloaded.by.endswith("(the device here: counted above)")
+    # against ZeRO-3 without offload on the same device: one more gradient partition (the master copy's, kept)
+    kept = rank_step3(module, Zero3(world=2, reduce_bucket_size=1_000), **terms)
+    assert on_cpu.peak == kept.peak + 500 and kept.offloaded is None
+    assert str(on_gpu).endswith("; offloaded to host memory (not on the device: not counted) 2.9 KiB")
 
 
 def _gathered_peak(redirected: bool) -> int:
@@ -142,3 +176,30 @@ def test_zero_3_under_lightning_gathers_each_layer_alone() -> None:
     again), DeepSpeed resets its trace twice a step and never completes it: no prefetch, each weight gathered
     alone (a buffer of its own, 200 elements) when its layer runs and released after."""
     assert _gathered_peak(redirected=True) == 1_600 + 200 * 4
+
+
+def test_deepspeed_s_host_adam_is_measured_as_torch_s_adam_of_the_same_state() -> None:
+    """Under offload DeepSpeed asks for its own CPU Adam, whose step is an op of its own that fake tensors cannot
+    run: the whole step is measured with torch's Adam over the same groups, whose state is the same two float32
+    moments a parameter (and its step count as a 4 B tensor, where CPU Adam keeps an int: an upper bound)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from ckpt_plugin.lightning.zero import stand_in
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[1].parameters()), "lr": 0.1}]
+    host = DeepSpeedCPUAdam.__new__(DeepSpeedCPUAdam)  # the class as users build it, less its op (a C++ build)
+    torch.optim.Optimizer.__init__(host, groups, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                                                      bias_correction=True, amsgrad=False))
+    measured = stand_in(host)
+    assert type(measured) is torch.optim.Adam
+    assert [g["params"] for g in measured.param_groups] == [g["params"] for g in host.param_groups]
+    model(torch.ones(3, 8)).sum().backward()
+    measured.step()
+    state = sum(t.numel() * t.element_size() for s in measured.state.values() for t in s.values())
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert state == 2 * params + 4 * len(list(model.parameters()))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert stand_in(sgd) is sgd

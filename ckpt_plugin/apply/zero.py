@@ -8,8 +8,8 @@ DeepSpeed config says. What a rank holds (DeepSpeed 0.19, ``runtime/zero/stage_1
 parameters, the gradients and the optimizer's state in float32):
 
 - the parameters, whole on every rank: views of one flat buffer per parameter group (measured);
-- its partition of each group (``ceil(numel / world)`` elements): a float32 master copy the optimizer steps,
-  and two partitions of gradients (the master copy's, and one more the measurements needed) (modelled);
+- its partition of each group (``ceil(numel / world)`` elements): a float32 master copy the optimizer steps
+  (modelled); no gradient outlives a step (the master copy's float32 one is freed after it);
 - the optimizer's state on its partition alone: the module's state over the world size (measured, divided);
 - while backward runs, the reduce buffer (``contiguous_gradients``): ``reduce_bucket_size`` elements of the
   gradients' dtype, two with ``overlap_comm`` (modelled from the config); each gradient is copied into it as
@@ -18,7 +18,8 @@ parameters, the gradients and the optimizer's state in float32):
 - ``grads_in_partition`` (the partition and the parameter on its edge), made each step at the first bucket of
   the rank's partition: mid-backward where the gradients outgrow a bucket (``StepSplit.gradless_after``);
 - backward's epilogue: the last bucket flattened, which the collective may hold past the next allocation;
-- in the optimizer's step, its temporaries on the partition (measured, divided).
+- in the optimizer's step, grads_in_partition flattened into the master copy's float32 gradient (a copy), and
+  the optimizer's temporaries on the partition (measured, divided).
 
 The largest of those moments is the larger rank's step, an upper bound of each. Checked against DeepSpeed
 engines on 2 gloo ranks (``python -m ckpt_tools.fit_fsdp --batch --strategy deepspeed_stage_2,deepspeed_stage_1``,
@@ -72,7 +73,9 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int 
     back, opt = split.gradless, split.in_optimizer
     state = back.get("optstate", 0)  # the optimizer's state alive through forward and backward: the whole module's
     partition = zero.partitions(groups) * FLOAT32
-    persistent = {"parameter": back.get("parameter", 0) + back.get("buffer", 0), "gradient": 2 * partition,
+    # No gradient outlives the step: the float32 one the optimizer steps is freed after it, grads_in_partition
+    # (below) with it (``_release_ipg_buffers`` drops it at backward's end; its views live until the step).
+    persistent = {"parameter": back.get("parameter", 0) + back.get("buffer", 0), "gradient": 0,
                   "optstate": partition + math.ceil(state / zero.world)}
     # grads_in_partition, made again each step at the first bucket of this rank's partition that backward
     # reduces, and kept through the optimizer's step: the partition and the parameter that straddles its edge.
@@ -96,8 +99,9 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int 
     flat = min(zero.reduce_bucket_size, sum(groups)) * zero.grad_bytes
     epilogue = {**persistent, "temp": flat + reduced}
     temporaries = max(opt.get("optstate", 0) - state, 0)  # the optimizer's own, on the partition alone
+    # The step flattens grads_in_partition into the float32 gradient of the partition (a copy), and steps.
     stepping = {**persistent, "optstate": persistent["optstate"] + math.ceil(temporaries / zero.world),
-                "activation": opt.get("activation", 0), "temp": opt.get("temp", 0) + reduced,
+                "activation": opt.get("activation", 0), "gradient": partition, "temp": opt.get("temp", 0) + reduced,
                 "other": opt.get("other", 0)}
     at_peak = max(backward, epilogue, stepping, key=lambda c: sum(c.values()))
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + zero.buffers.bytes
@@ -115,40 +119,66 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     float32 master copy of the trained ones (a copy even in float32: ``_create_fp32_partitions`` compares a device
     with a device's name), the gradients' partitions (``grad_partitions_flat_buffer``), the optimizer's state on
     the master copy, one reduce buffer (``reduce_bucket_size``). ``regather``: bytes the optimizer's step ends
-    with, gathering the parameters kept whole again (``_post_step``: a flat buffer and their new copies)."""
+    with, gathering the parameters kept whole again (``_post_step``: a flat buffer and their new copies).
+
+    Offloaded (``zero.offload_optimizer``, ``zero.offload_param``), those terms are in host memory: the master
+    copy, the gradients' partitions and the master copy's own float32 gradient (made once, kept: under offload
+    ``_release_sub_group`` leaves it), the optimizer's state and its step's temporaries; the parameters'
+    partitions. They count in the step only where the device is the host (``zero.host_is_device``); the split
+    says them apart either way (``StepSplit.offloaded``)."""
     back, opt = split.gradless, split.in_optimizer
     state = back.get("optstate", 0)
-    own = partitions * FLOAT32
-    steady = {"parameter": own + trained * FLOAT32 - whole, "gradient": trained * FLOAT32,  # through the step
-              "optstate": math.ceil(state / zero.world)}
+    own, master = partitions * FLOAT32, trained * FLOAT32
+    shard = math.ceil(state / zero.world)
+    temporaries = math.ceil(max(opt.get("optstate", 0) - state, 0) / zero.world)  # the optimizer's, on its partition
+    # Through the step, besides the module's own: on the device, and in host memory (offload)
+    device = {"parameter": -whole, "gradient": 0, "optstate": 0}
+    host = {"parameter": 0, "gradient": 0, "optstate": 0}
+    (host if zero.offload_param else device)["parameter"] += own
+    if zero.offload_optimizer:
+        host.update(parameter=host["parameter"] + master, gradient=2 * master, optstate=shard)
+    else:
+        device.update(parameter=device["parameter"] + master, gradient=master, optstate=shard)
     in_hand = largest * FLOAT32  # one gradient made whole before its copy into the reduce buffer
     # Forward and backward, the module's gradients left out (they go to the reduce buffer as backward makes them,
     # and the step before's are gone: the rank's are its partitions): its peak without them.
-    backward = {"parameter": back.get("parameter", 0) + steady["parameter"], "buffer": back.get("buffer", 0),
-                "gradient": steady["gradient"], "optstate": steady["optstate"],
-                "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
-                "other": back.get("other", 0)}
-    # The optimizer's step: the gradients flattened into a float32 copy of the trained partition
-    # (``_prepare_fp32_grad_for_sub_group``), the optimizer's own temporaries on the partition alone.
-    temporaries = max(opt.get("optstate", 0) - state, 0)
-    stepping = {"parameter": opt.get("parameter", 0) + steady["parameter"], "gradient": 2 * trained * FLOAT32,
-                "optstate": steady["optstate"] + math.ceil(temporaries / zero.world),
-                "activation": opt.get("activation", 0), "temp": opt.get("temp", 0), "other": opt.get("other", 0),
-                "buffer": opt.get("buffer", 0)}
+    backward = ({"parameter": back.get("parameter", 0) + device["parameter"], "buffer": back.get("buffer", 0),
+                 "gradient": device["gradient"], "optstate": device["optstate"],
+                 "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
+                 "other": back.get("other", 0)}, host)
+    # The optimizer's step: without offload, the gradients flattened into a float32 copy of the trained partition
+    # (``_prepare_fp32_grad_for_sub_group``); the optimizer's own temporaries on the partition alone.
+    around = {"parameter": opt.get("parameter", 0) + device["parameter"], "activation": opt.get("activation", 0),
+              "temp": opt.get("temp", 0), "other": opt.get("other", 0), "buffer": opt.get("buffer", 0)}
+    if zero.offload_optimizer:
+        stepping = ({**around, "gradient": 0, "optstate": 0}, {**host, "optstate": shard + temporaries})
+    else:
+        stepping = ({**around, "gradient": 2 * master, "optstate": shard + temporaries}, host)
     # Its end: the float32 gradients gone, the parameters kept whole gathered again beside their old copies.
-    ended = {**stepping, "parameter": stepping["parameter"] + regather, "gradient": steady["gradient"],
-             "optstate": steady["optstate"]}
+    ended = ({**stepping[0], "parameter": around["parameter"] + regather, "gradient": device["gradient"],
+              "optstate": device["optstate"]}, host)
     # Backward's epilogue: the last bucket's gradients flattened for the reduce-scatter and its buffer beside
     # (``__avg_scatter_grads``), up to a bucket or every gradient; the activations gone, one gradient in hand.
     flat = min(zero.reduce_bucket_size, trained * zero.world) * FLOAT32
-    epilogue = {"parameter": stepping["parameter"], "buffer": opt.get("buffer", 0), "gradient": steady["gradient"],
-                "optstate": steady["optstate"], "temp": 2 * flat + in_hand}
-    at_peak = max(backward, stepping, ended, epilogue, key=lambda c: sum(c.values()))
+    epilogue = ({"parameter": around["parameter"], "buffer": opt.get("buffer", 0), "gradient": device["gradient"],
+                 "optstate": device["optstate"], "temp": 2 * flat + in_hand}, host)
+
+    def counted(moment: tuple[dict[str, int], dict[str, int]]) -> dict[str, int]:
+        on, off = moment
+        if not zero.host_is_device:
+            return on
+        return {c: on.get(c, 0) + off.get(c, 0) for c in {**on, **off}}
+
+    on_device, offloaded = max(backward, stepping, ended, epilogue, key=lambda m: sum(counted(m).values()))
+    at_peak = counted((on_device, offloaded))
     buffers = Held(zero.reduce_bucket_size * FLOAT32,
                    f"DeepSpeed's reduce buffer (reduce_bucket_size={zero.reduce_bucket_size:g} elements)")
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + buffers.bytes
+    moved = sum(offloaded.values())
+    where = "the device here: counted above" if zero.host_is_device else "not on the device: not counted"
     return replace(split, peak=total, at_peak={c: at_peak.get(c, 0) for c in split.at_peak} | at_peak,
-                   held=(*split.held, buffers), cuda_allocated=None, cuda_reserved=None)
+                   held=(*split.held, buffers), cuda_allocated=None, cuda_reserved=None,
+                   offloaded=Held(moved, f"offloaded to host memory ({where})") if moved else None)
 
 
 @dataclass(frozen=True)

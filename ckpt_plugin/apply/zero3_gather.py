@@ -57,6 +57,12 @@ class Zero3:
     param_persistence_threshold: int = 100_000
     model_persistence_threshold: int = 2**63 - 1
     memory_efficient_linear: bool = True
+    # Offload to host memory (``offload_optimizer``: the float32 master copy, its gradients and the optimizer's
+    # state; ``offload_param``: the parameters' partitions). ``host_is_device``: the device is the host (a CPU
+    # run, DeepSpeed's CPU accelerator): what is offloaded stays on it and counts in its step.
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    host_is_device: bool = False
 
     def partition(self, numel: int) -> int:
         """Elements of a rank's partition of a parameter of ``numel`` elements (padded to the world)."""

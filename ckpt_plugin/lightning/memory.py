@@ -238,7 +238,7 @@ class StepWatch:
         seen = seen_bytes(tracker, self._batch_tensors) if self.batch_passed else 0
         batch = Held(self._batch.bytes - seen, self._batch.by)
         self._batch_tensors = None
-        self.measured = split_of(tracker).holding((batch,))
+        self.measured = split_of(tracker, pl_module.device).holding((batch,))
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
             self.cuda_peak = torch.cuda.max_memory_allocated(pl_module.device)

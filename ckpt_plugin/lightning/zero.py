@@ -2,15 +2,18 @@
 whole step modelled from the module's own (``apply/zero.py``; ZeRO-3's gathering played on it:
 ``apply/zero3_gather.py``), the terms read from the strategy's DeepSpeed config.
 
-What is not modelled yet is refused on every rank in ``setup``, naming the key: offload of the optimizer or the
-parameters, ``contiguous_gradients=false`` (gradients that stay whole until their bucket is reduced), and a
-precision other than 32-bit (the float32 master copy beside 16-bit parameters, activations measured at the wrong
-width: rank 0 plans before DeepSpeed casts the module).
+ZeRO-3's offload to host memory (``offload_optimizer``, ``offload_param``: device ``cpu``) is modelled: on a GPU
+what is offloaded leaves the device's step, on the CPU (the host is the device) it stays in it.
+
+What is not modelled yet is refused on every rank in ``setup``, naming the key: offload under ZeRO-1/2, to NVMe, or
+of part of the optimizer (``ratio``); ``contiguous_gradients=false`` (gradients that stay whole until their bucket
+is reduced), and a precision other than 32-bit (the float32 master copy beside 16-bit parameters, activations
+measured at the wrong width: rank 0 plans before DeepSpeed casts the module).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,6 +35,12 @@ _ZERO3_KEYS = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
                "stage3_param_persistence_threshold": "param_persistence_threshold",
                "stage3_model_persistence_threshold": "model_persistence_threshold"}
 _FP32 = ("32-true", "32")
+_OFFLOADS = ("offload_optimizer", "offload_param")
+
+
+def _offloaded(zero: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The offload sections of ``zero_optimization`` that move something (device not ``none``)."""
+    return {k: dict(zero.get(k) or {}) for k in _OFFLOADS if str((zero.get(k) or {}).get("device", "none")) != "none"}
 
 
 def is_deepspeed(strategy: Any) -> bool:
@@ -55,9 +64,15 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
     why, what = None, ""
     if stage not in (1, 2, 3):
         why, what = f"ZeRO stage {stage} shards nothing: plan it as DDP", "zero_optimization.stage"
-    elif offloaded := [k for k in ("offload_optimizer", "offload_param")
-                       if str((zero.get(k) or {}).get("device", "none")) != "none"]:
-        why, what = "offload to host memory is not modelled yet", f"zero_optimization.{offloaded[0]}"
+    elif (offloaded := _offloaded(zero)) and stage != 3:
+        why, what = (f"offload under ZeRO stage {stage} is not modelled yet (under ZeRO-3 it is)",
+                     f"zero_optimization.{next(iter(offloaded))}")
+    elif nvme := [k for k, v in offloaded.items() if str(v["device"]) != "cpu"]:
+        device = offloaded[nvme[0]]["device"]
+        why, what = f"offload to {device} is not modelled yet (to cpu it is)", f"zero_optimization.{nvme[0]}.device"
+    elif float(offloaded.get("offload_optimizer", {}).get("ratio", 1.0)) != 1.0:
+        why = "offloading part of the optimizer is not modelled yet (all of it is: ratio 1.0)"
+        what = "zero_optimization.offload_optimizer.ratio"
     elif not zero.get("contiguous_gradients", _DEFAULTS["contiguous_gradients"]):
         why = ("with contiguous_gradients=false the gradients stay whole until their bucket is reduced: not "
                "modelled yet")
@@ -71,8 +86,8 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
     return ConfigError([Problem(
         key,
         f"{key}={value} cannot be planned under trainer.strategy {name}: {why} ({what}); under DeepSpeed "
-        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision without offload, "
-        "their buffers from the config",
+        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision (ZeRO-3 with offload "
+        "to cpu too), their buffers from the config",
         "here plan the activations with ckpt.budget (a fraction of the activation peak without checkpointing, or "
         "min), give a plan file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, "
         "ckpt=offload)",
@@ -102,22 +117,48 @@ def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sampl
     )
 
     section = _section(trainer.strategy)
-    optimizers = list(_init_optimizers_and_lr_schedulers(pl_module)[0])  # the Trainer builds its own later
-    zero = _zero_of(section, trainer.world_size)
+    # the Trainer builds its own later; DeepSpeed's host optimizers measured as the torch one of the same state
+    optimizers = [stand_in(o) for o in _init_optimizers_and_lr_schedulers(pl_module)[0]]
+    zero = _zero_of(section, trainer.world_size, host_is_device=trainer.strategy.root_device.type == "cpu")
     # Lightning runs training_step under DeepSpeed as a call of the module (its forward redirection)
     return rank_steps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), zero,
                       redirected=True)
 
 
-def _zero_of(section: dict[str, Any], world: int) -> Zero | Zero3:
-    """The terms of a rank's step, from the ``zero_optimization`` section (DeepSpeed's defaults where it has none)."""
+# DeepSpeed's host optimizers (what it asks for under offload) step through an op of their own that fake tensors
+# cannot run (it reads the data pointers). Each keeps a torch optimizer's state, which measures in its stead: CPU
+# Adam two moments (Adam's, which also keeps its step count as a tensor: 4 B a parameter more, an upper bound),
+# CPU Adagrad the squares' sum (Adagrad's), CPU Lion one moment (SGD's momentum).
+_HOST_OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] = {
+    "DeepSpeedCPUAdam": torch.optim.Adam,
+    "DeepSpeedCPUAdagrad": torch.optim.Adagrad,
+    "DeepSpeedCPULion": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+}
+
+
+def stand_in(optimizer: Any) -> Any:
+    """``optimizer`` for a step on fake tensors: a DeepSpeed host optimizer as the torch one of the same state
+    (over the same parameter groups), any other as it is."""
+    make = _HOST_OPTIMIZERS.get(type(optimizer).__name__)
+    if make is None or not type(optimizer).__module__.startswith("deepspeed."):
+        return optimizer
+    return make([{"params": list(group["params"])} for group in optimizer.param_groups])
+
+
+def _zero_of(section: dict[str, Any], world: int, host_is_device: bool = False) -> Zero | Zero3:
+    """The terms of a rank's step, from the ``zero_optimization`` section (DeepSpeed's defaults where it has none);
+    ``host_is_device``: the rank's device is the host (DeepSpeed's CPU accelerator), where offload moves nothing
+    off it."""
     def number(key: str) -> int:
         return int(float(section.get(key, _DEFAULTS[key])))
 
     if int(section["stage"]) == 3:
         given = {term: int(float(section[key])) for key, term in _ZERO3_KEYS.items() if key in section}
+        offloaded = _offloaded(section)
         return Zero3(world=world, reduce_bucket_size=number("reduce_bucket_size"), **given,
-                     memory_efficient_linear=bool(section.get("memory_efficient_linear", True)))
+                     memory_efficient_linear=bool(section.get("memory_efficient_linear", True)),
+                     offload_optimizer="offload_optimizer" in offloaded, offload_param="offload_param" in offloaded,
+                     host_is_device=host_is_device)
     return Zero(stage=int(section["stage"]), world=world, reduce_bucket_size=number("reduce_bucket_size"),
                 overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
 
@@ -143,10 +184,11 @@ def tracked(optimizers: Sequence[Any]) -> list[Any]:
                         if not isinstance(t, torch.nn.Module):  # (not the module: its tensors are the model's)
                             out += [v for v in getattr(t, "__dict__", {}).values() if isinstance(v, torch.Tensor)]
                         continue
-                    out.append(t)
+                    if t.device.type != "meta":  # ZeRO-1/2 keep each parameter's shape as a meta tensor
+                        out.append(t)  # (round_robin_bit16_meta): no memory, which MemTracker would count
                     if t.grad is not None:
                         out.append(t.grad)
     return out
 
 
-__all__ = ["deepspeed_linear", "is_deepspeed", "is_zero3", "tracked", "zero_refused", "zero_steps"]
+__all__ = ["deepspeed_linear", "is_deepspeed", "is_zero3", "stand_in", "tracked", "zero_refused", "zero_steps"]

@@ -75,6 +75,9 @@ class StepSplit:
     gradless: dict[str, int] = field(default_factory=dict)
     in_optimizer: dict[str, int] = field(default_factory=dict)
     gradless_at: dict[int, int] = field(default_factory=dict)  # gradient bytes alive -> the most the rest held
+    # What a strategy keeps in host memory at the peak's moment (DeepSpeed's offload: apply/zero.py), said apart:
+    # in ``peak`` only where the device is the host (its ``by`` says which).
+    offloaded: Held | None = None
 
     def gradless_after(self, gradients: int) -> int:
         """The most the step held besides its gradients, outside the optimizer's step, once ``gradients`` bytes of
@@ -94,7 +97,8 @@ class StepSplit:
     def __str__(self) -> str:
         parts = [f"{CATEGORIES[c]} {format_bytes(b)}" for c, b in self.at_peak.items() if b and c in CATEGORIES]
         parts += [f"{h.by} {format_bytes(h.bytes)}" for h in self.held]
-        return f"{format_bytes(self.peak)} ({self.peak} B): " + ", ".join(parts)
+        moved = f"; {self.offloaded.by} {format_bytes(self.offloaded.bytes)}" if self.offloaded else ""
+        return f"{format_bytes(self.peak)} ({self.peak} B): " + ", ".join(parts) + moved
 
 
 Forward = Callable[[], Any]
@@ -165,9 +169,15 @@ def _two_steps(model: nn.Module, forward: Forward, optimizers: Sequence[torch.op
     return split
 
 
-def split_of(tracker: CategoryPeakTracker) -> StepSplit:
-    """What ``tracker`` saw, as a split: the total's peak and the categories at that moment, summed over devices."""
+def split_of(tracker: CategoryPeakTracker, device: torch.device | None = None) -> StepSplit:
+    """What ``tracker`` saw, as a split: the total's peak and the categories at that moment, summed over devices;
+    only ``device``'s where one is given and the step also held tensors elsewhere (DeepSpeed's offload keeps the
+    optimizer in host memory beside a GPU's step: said apart as ``offloaded``, not in the peak)."""
     snapshot = tracker.get_tracker_snapshot("peak")
+    elsewhere = 0
+    if device is not None and not all(_same(d, device) for d in snapshot):
+        elsewhere = sum(s.get("Total", 0) for d, s in snapshot.items() if not _same(d, device))
+        snapshot = {d: s for d, s in snapshot.items() if _same(d, device)}
     at_peak: dict[str, int] = {}
     for device_snapshot in snapshot.values():
         for key, value in device_snapshot.items():
@@ -177,7 +187,16 @@ def split_of(tracker: CategoryPeakTracker) -> StepSplit:
     total = sum(s.get("Total", 0) for s in snapshot.values())
     return StepSplit(total, {c: at_peak.get(c, 0) for c in CATEGORIES}, dict(tracker.category_peaks),
                      gradless=dict(tracker.gradless_peak), in_optimizer=dict(tracker.optimizer_peak),
-                     gradless_at=dict(tracker.gradless_at))
+                     gradless_at=dict(tracker.gradless_at),
+                     offloaded=Held(elsewhere, "elsewhere (host memory: not counted)") if elsewhere else None)
+
+
+def _same(one: Any, other: torch.device) -> bool:
+    """Whether ``one`` (a snapshot's key) is the memory of ``other``: the host's whatever its index (DeepSpeed names
+    it ``cpu:0``, Lightning ``cpu``), a GPU's by its index where both give one."""
+    one = torch.device(one)
+    return one.type == other.type and (one.type == "cpu" or None in (one.index, other.index)
+                                       or one.index == other.index)
 
 
 @contextlib.contextmanager
