@@ -69,7 +69,16 @@ SEED = 0
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),  # two moments per parameter
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),  # one momentum buffer per parameter
+    # DeepSpeed's CPU Adam, which it asks for under offload (deepspeed_stage_3_offload): its op is built on first use
+    "cpu_adam": lambda params: _cpu_adam(params),
 }
+DEFAULT_OPTIMIZERS = ("adamw", "sgd")
+
+
+def _cpu_adam(params: Any) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, lr=1e-3)
 
 
 @dataclass(frozen=True)
@@ -363,7 +372,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated: {', '.join(SUBJECTS)} or zoo names (default: those and "
                         f"{', '.join(ZOO)}; --quick: {', '.join(QUICK)})")
     parser.add_argument("--optimizers", default=None,
-                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (default: both; --quick: adamw)")
+                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (default: "
+                        f"{', '.join(DEFAULT_OPTIMIZERS)}; --quick: adamw; cpu_adam builds DeepSpeed's op, ~70 s)")
     parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                         help="the limits, as fractions of the way from Wmin to W0 (each in [0, 1])")
     parser.add_argument("--batch", action="store_true", help="also ckpt.batch=max against the exhaustive search")
@@ -383,7 +393,8 @@ def chosen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[l
     """The subjects, optimizers and fractions the flags of :func:`add_arguments` name; the parser's error else."""
     models = [m.strip() for m in (args.models or ",".join(QUICK if args.quick else (*SUBJECTS, *ZOO))).split(",")
               if m.strip()]
-    optimizers = parse_list(args.optimizers or ("adamw" if args.quick else ",".join(OPTIMIZERS)), list(OPTIMIZERS),
+    optimizers = parse_list(args.optimizers or ("adamw" if args.quick else ",".join(DEFAULT_OPTIMIZERS)),
+                            list(OPTIMIZERS),
                             "--optimizers", parser)
     try:
         fractions = [float(f) for f in args.fractions.split(",") if f.strip()]

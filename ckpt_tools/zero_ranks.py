@@ -26,7 +26,7 @@ from ckpt_plugin.apply.install import install_plan
 from ckpt_plugin.apply.zero import Zero, Zero3, ZeroSteps, rank_steps
 from ckpt_plugin.engine.plan import WrapPlan
 from ckpt_plugin.engine.side_effects import cache_warnings_silenced
-from ckpt_plugin.lightning.zero import tracked
+from ckpt_plugin.lightning.zero import stand_in, tracked
 from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 
@@ -57,7 +57,7 @@ def zero_of(strategy: str) -> Zero | Zero3:
 def predicted_steps(strategy: str, model: nn.Module, sample: Sample,
                     make: Callable[[Any], torch.optim.Optimizer]) -> ZeroSteps:
     """Rank 0's: the module's whole step on fake tensors (``make`` its optimizer), as a ZeRO rank's."""
-    optimizer = make(model.parameters())
+    optimizer = stand_in(make(model.parameters()))  # DeepSpeed's CPU Adam: torch's, its state (lightning/zero.py)
     return rank_steps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),), zero_of(strategy))
 
 

@@ -24,7 +24,7 @@ parameters, the gradients and the optimizer's state in float32):
 The largest of those moments is the larger rank's step, an upper bound of each. Checked against DeepSpeed
 engines on 2 gloo ranks (``python -m ckpt_tools.fit_fsdp --batch --strategy deepspeed_stage_2,deepspeed_stage_1``,
 seven models, AdamW and SGD, three limits): every rank under its limit (84 of 84), within 5 % of the larger
-rank's in 76 of 84, up to 6.7 % on hf.llama (docs/fit-a-gpu.md).
+rank's in 76 of 84, up to 7.6 % on hf.llama (docs/fit-a-gpu.md).
 """
 
 from __future__ import annotations
