@@ -6,6 +6,7 @@
     python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_2  # DeepSpeed ZeRO-2, its rank's step modelled
     python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_3  # ZeRO-3, its gathering played on the fake step
     python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_3_offload  # ZeRO-3, optimizer and parameters offloaded
+    python -m ckpt_tools.fit_fsdp --strategy deepspeed_stage_3_bf16  # ZeRO-3 in bf16 (also _1_bf16, _2_bf16)
 
 ``fit_check``'s checks (the same models, optimizers, limits and tables), each on
 ``--world`` gloo processes on the CPU, the model sharded with one unit per layer
@@ -93,7 +94,9 @@ STRATEGIES = {"fsdp": "FSDP (v1, FULL_SHARD)", "fsdp2": "FSDP2 (fully_shard on e
               "deepspeed_stage_3": "DeepSpeed ZeRO-3 (fp32, its gathering played on the fake step: "
                                    "ckpt_tools/zero_ranks.py)",
               "deepspeed_stage_3_offload": "DeepSpeed ZeRO-3, optimizer and parameters offloaded to host memory "
-                                           "(the device here: counted)"}
+                                           "(the device here: counted)",
+              **{f"deepspeed_stage_{n}_bf16": f"DeepSpeed ZeRO-{n} in bf16 (the module cast, a float32 master copy)"
+                 for n in (1, 2, 3)}}
 # ZeRO's step is modelled, an upper bound of every rank's (ckpt_plugin/apply/zero.py): issue #43's mark for it.
 ZERO_TOLERANCE = 0.05
 

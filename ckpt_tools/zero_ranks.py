@@ -31,7 +31,10 @@ from ckpt_plugin.measure.sample import scalar
 from ckpt_plugin.measure.whole_step import Held, StepSplit, split_of
 
 BUCKET = 50_000  # reduce_bucket_size and allgather_bucket_size, elements (400 KB of buffers with overlap_comm)
-STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3, "deepspeed_stage_3_offload": 3}
+STAGES = {"deepspeed_stage_1": 1, "deepspeed_stage_2": 2, "deepspeed_stage_3": 3, "deepspeed_stage_3_offload": 3,
+          # bf16 (DeepSpeed's "bf16" section: the module cast, a float32 master copy; the batch cast as Lightning's
+          # precision converts it)
+          "deepspeed_stage_1_bf16": 1, "deepspeed_stage_2_bf16": 2, "deepspeed_stage_3_bf16": 3}
 # Lightning's deepspeed_stage_3_offload: the optimizer (master copy, gradients' partitions, state) and the parameters'
 # partitions in host memory. On the CPU the host is the device: the offloaded bytes stay in the step. A torch
 # optimizer steps the host copy (DeepSpeed's own CPU Adam needs an op built: zero_force_ds_cpu_optimizer off).
@@ -44,20 +47,27 @@ STAGE3 = {"stage3_prefetch_bucket_size": BUCKET, "stage3_param_persistence_thres
           "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": BUCKET}
 
 
+def dtype_of(strategy: str) -> torch.dtype:
+    return torch.bfloat16 if strategy.endswith("_bf16") else torch.float32
+
+
 def zero_of(strategy: str) -> Zero | Zero3:
     if STAGES[strategy] == 3:
         offload = strategy.endswith("_offload")
         return Zero3(world=dist.get_world_size(), reduce_bucket_size=BUCKET, prefetch_bucket_size=BUCKET,
                      max_live_parameters=STAGE3["stage3_max_live_parameters"],
                      max_reuse_distance=STAGE3["stage3_max_reuse_distance"], param_persistence_threshold=PERSIST,
-                     offload_optimizer=offload, offload_param=offload, host_is_device=True)
-    return Zero(stage=STAGES[strategy], world=dist.get_world_size(), reduce_bucket_size=BUCKET, overlap_comm=True)
+                     offload_optimizer=offload, offload_param=offload, host_is_device=True,
+                     dtype=dtype_of(strategy))
+    return Zero(stage=STAGES[strategy], world=dist.get_world_size(), reduce_bucket_size=BUCKET, overlap_comm=True,
+                dtype=dtype_of(strategy))
 
 
 def predicted_steps(strategy: str, model: nn.Module, sample: Sample,
                     make: Callable[[Any], torch.optim.Optimizer]) -> ZeroSteps:
     """Rank 0's: the module's whole step on fake tensors (``make`` its optimizer), as a ZeRO rank's."""
     optimizer = stand_in(make(model.parameters()))  # DeepSpeed's CPU Adam: torch's, its state (lightning/zero.py)
+    sample = sample.cast(dtype_of(strategy))
     return rank_steps(model, sample.loss, [optimizer], lambda rows: (sample.held(rows),), zero_of(strategy))
 
 
@@ -74,7 +84,8 @@ def _engine(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) -
             "overlap_comm": True, "contiguous_gradients": True, **(STAGE3 if STAGES[strategy] == 3 else {}),
             **(OFFLOAD if strategy.endswith("_offload") else {})}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 2**31 - 1, "zero_force_ds_cpu_optimizer": False}
+              "steps_per_print": 2**31 - 1, "zero_force_ds_cpu_optimizer": False,
+              **({"bf16": {"enabled": True}} if strategy.endswith("_bf16") else {})}
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         args=argparse.Namespace(device_rank=rank),  # CPU devices have no index (as tests/cpu_strategies.py)
         model=model, optimizer=optimizer, config=config, dist_init_required=False)
@@ -89,7 +100,7 @@ def real_step(strategy: str, make_sample: Callable[[nn.Module], Sample], pristin
     model = copy.deepcopy(pristine)
     with cache_warnings_silenced():
         install_plan(model, plan)
-    sample = make_sample(model)
+    sample = make_sample(model).cast(dtype_of(strategy))
     engine, ds_optimizer = _engine(model, make(model.parameters()), strategy)
     loss_of, batch_of = sample.loss_and_batch(batch)
 

@@ -163,7 +163,8 @@ def fit(strategy: str, keys: dict[str, Any] | None, out: Path) -> pl.Trainer:
         watch = callback.step_watch if callback else None
         if watch is not None and watch.measured is not None:  # ckpt.memory: the second step, predicted and measured
             result.update(limit=watch.limit, predicted=watch.predicted.peak, measured=watch.measured.peak,
-                          split=str(watch.measured), peaks=watch.measured.peaks, cuda_peak=watch.cuda_peak,
+                          split=str(watch.measured), predicted_split=str(watch.predicted),
+                          peaks=watch.measured.peaks, cuda_peak=watch.cuda_peak,
                           offloaded=[s.offloaded.bytes if s.offloaded else 0 for s in (watch.predicted, watch.measured)])
         torch.save(full_parameters(trainer, net), out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))

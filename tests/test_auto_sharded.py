@@ -149,8 +149,8 @@ def test_under_zero_3_every_rank_s_whole_step_is_under_the_limit_and_the_larger_
 def test_a_whole_step_under_deepspeed_that_is_not_modelled_is_refused_on_every_rank_naming_the_key(out: Path) -> None:
     bf16 = ("ckpt.memory=640000B cannot be planned under trainer.strategy CPUDeepSpeedStrategy (ZeRO stage 2): "
             "with precision bf16-mixed the float32 master copy and 16-bit parameters and activations are not "
-            "modelled yet (rank 0 plans before DeepSpeed casts the module) (trainer.precision); under DeepSpeed "
-            "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision (ZeRO-3 with offload "
+            "modelled yet under Lightning (rank 0 plans before DeepSpeed casts the module) (trainer.precision); "
+            "under DeepSpeed ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision (ZeRO-3 with offload "
             "to cpu too), their buffers from the config; here plan the activations with ckpt.budget (a fraction of "
             "the activation peak without checkpointing, or min), give a plan file with ckpt.plan=<file>, or choose "
             "a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)")

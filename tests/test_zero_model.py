@@ -203,3 +203,45 @@ def test_deepspeed_s_host_adam_is_measured_as_torch_s_adam_of_the_same_state() -
     assert state == 2 * params + 4 * len(list(model.parameters()))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     assert stand_in(sgd) is sgd
+
+
+def test_in_bf16_the_module_s_terms_are_two_bytes_an_element_and_the_master_copy_and_state_four() -> None:
+    """The module's step measured with its parameters in bf16 (as DeepSpeed casts them): its partitions, gradients,
+    the reduce buffers and the gradient in hand in bf16; the master copy float32, the optimizer's state measured in
+    bf16 counted twice over (it is float32's, on the master copy); in the step the gradients flattened in bf16,
+    then in float32."""
+    import torch
+
+    module = StepSplit(
+        peak=9_999, at_peak={"parameter": 1_600, "gradient": 1_000, "optstate": 2_000, "activation": 5_000},
+        gradless={"parameter": 1_600, "gradient": 400, "optstate": 2_000, "activation": 5_000, "temp": 300},
+        in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),))
+    zero3 = Zero3(world=2, reduce_bucket_size=1_000, dtype=torch.bfloat16)
+    step = rank_step3(module, zero3, partitions=125, trained=125, whole=800, largest=50)
+    own, master, grads = 125 * 2, 125 * 4, 125 * 2
+    backward = (1_600 - 800 + own + master) + grads + 2_000 * 2 // 2 + 5_000 + 300 + 50 * 2
+    assert step.peak == backward + 64 + 1_000 * 2
+    assert step.held[-1] == Held(2_000, "DeepSpeed's reduce buffer (reduce_bucket_size=1000 elements)")
+    zero2 = Zero(stage=2, world=2, reduce_bucket_size=1_000, overlap_comm=True, dtype=torch.bfloat16)
+    step = rank_step(MODULE, zero2, groups=[250], largest=50)
+    persistent = 1_000 + 125 * 4 + 2_000 * 2 // 2  # the module's parameters (bf16, measured), master, state
+    assert step.peak == persistent + 5_000 + 300 + 50 * 2 + 64 + 2 * 1_000 * 2
+
+
+def test_cast_puts_the_parameters_in_bf16_as_deepspeed_does_and_leaves_the_buffers() -> None:
+    """DeepSpeed 0.19 casts the parameters only (``_cast_module_mixed_precision``); in place, so an optimizer over
+    them keeps its state in bf16 inside; put back after."""
+    import torch
+
+    from ckpt_plugin.apply.zero import cast
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    weight = model[0].weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with cast(model, torch.bfloat16):
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model[0].weight is weight
+        assert model[1].running_mean.dtype == torch.float32
+        model[0](torch.ones(2, 4, dtype=torch.bfloat16)).sum().backward()
+        optimizer.step()
+        assert optimizer.state[weight]["momentum_buffer"].dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and model[0].weight is weight

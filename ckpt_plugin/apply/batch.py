@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -133,6 +133,14 @@ class Sample:
             return self.run(*args, **kwargs)
 
         return forward, call
+
+    def cast(self, dtype: torch.dtype) -> Sample:
+        """This sample with its floating-point tensors in ``dtype``, as a strategy's precision converts the batch
+        before the step (Lightning's ``convert_input``: DeepSpeed's bf16 and fp16)."""
+        def to(t: Any) -> Any:
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        return replace(self, call=tree_map(to, self.call), batch=tree_map(to, self.batch))
 
     def loss(self, to: int | None = None) -> Callable[[], Any]:
         """The training step to its loss at ``to`` rows (the whole step measures it); the call where there is none."""

@@ -29,8 +29,9 @@ rank's in 76 of 84, up to 7.6 % on hf.llama (docs/fit-a-gpu.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,7 +53,12 @@ class Zero:
     world: int
     reduce_bucket_size: int  # elements
     overlap_comm: bool
-    grad_bytes: int = FLOAT32  # the gradients' element size (the reduce buffer's dtype)
+    dtype: torch.dtype = torch.float32  # the module's, as DeepSpeed casts it (bf16/fp16): its gradients' too
+
+    @property
+    def grad_bytes(self) -> int:
+        """The gradients' element size: the module's dtype (the reduce buffers', ``grads_in_partition``'s)."""
+        return _bytes(self.dtype)
 
     @property
     def buffers(self) -> Held:
@@ -66,22 +72,44 @@ class Zero:
         return sum(math.ceil(numel / self.world) for numel in groups)
 
 
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@contextlib.contextmanager
+def cast(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """``model``'s floating parameters in ``dtype``, as DeepSpeed casts the module under bf16 or fp16 (0.19's
+    ``_cast_module_mixed_precision``: the parameters, not the buffers): in place (an optimizer steps the same
+    objects: its state in that dtype too); put back after. Here on the fake step's copies
+    (``apply/memory.ModuleSteps.around``)."""
+    kept = [(t, t.data) for t in model.parameters() if t.is_floating_point() and t.dtype != dtype]
+    for t, data in kept:
+        t.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for t, data in kept:
+            t.data = data
+
+
 def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int = 0) -> StepSplit:
     """A ZeRO-1/2 rank's whole step, from ``split`` (the module's step on fake tensors, its optimizers stepping
     the whole module, its held bytes: the batch), ``groups`` (elements of each parameter group trained) and
     ``largest`` (the elements of the largest parameter trained). The larger rank's: an upper bound of each."""
     back, opt = split.gradless, split.in_optimizer
+    wide = FLOAT32 / zero.grad_bytes  # the optimizer's state, measured in the module's dtype, is float32's
     state = back.get("optstate", 0)  # the optimizer's state alive through forward and backward: the whole module's
-    partition = zero.partitions(groups) * FLOAT32
+    elements = zero.partitions(groups)
+    partition = elements * FLOAT32  # the float32 master copy
     # No gradient outlives the step: the float32 one the optimizer steps is freed after it, grads_in_partition
     # (below) with it (``_release_ipg_buffers`` drops it at backward's end; its views live until the step).
     persistent = {"parameter": back.get("parameter", 0) + back.get("buffer", 0), "gradient": 0,
-                  "optstate": partition + math.ceil(state / zero.world)}
+                  "optstate": partition + math.ceil(state * wide / zero.world)}
     # grads_in_partition, made again each step at the first bucket of this rank's partition that backward
     # reduces, and kept through the optimizer's step: the partition and the parameter that straddles its edge.
     # With more gradients than one bucket holds, that is mid-backward on the rank whose partition holds the last
     # layers (activations still alive); with one bucket, at backward's end on every rank.
-    reduced = partition + largest * zero.grad_bytes
+    reduced = (elements + largest) * zero.grad_bytes
     # Backward copies each gradient into the reduce buffer as it is made: one (up to the largest) is in hand
     # besides the buffer.
     in_hand = largest * zero.grad_bytes
@@ -99,9 +127,11 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int 
     flat = min(zero.reduce_bucket_size, sum(groups)) * zero.grad_bytes
     epilogue = {**persistent, "temp": flat + reduced}
     temporaries = max(opt.get("optstate", 0) - state, 0)  # the optimizer's own, on the partition alone
-    # The step flattens grads_in_partition into the float32 gradient of the partition (a copy), and steps.
-    stepping = {**persistent, "optstate": persistent["optstate"] + math.ceil(temporaries / zero.world),
-                "activation": opt.get("activation", 0), "gradient": partition, "temp": opt.get("temp", 0) + reduced,
+    # The step flattens grads_in_partition into the float32 gradient of the partition (a copy; in 16 bits the
+    # flattened copy first, then its float32 one), and steps.
+    flattened = partition + (elements * zero.grad_bytes if zero.grad_bytes != FLOAT32 else 0)
+    stepping = {**persistent, "optstate": persistent["optstate"] + math.ceil(temporaries * wide / zero.world),
+                "activation": opt.get("activation", 0), "gradient": flattened, "temp": opt.get("temp", 0) + reduced,
                 "other": opt.get("other", 0)}
     at_peak = max(backward, epilogue, stepping, key=lambda c: sum(c.values()))
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + zero.buffers.bytes
@@ -128,18 +158,19 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     says them apart either way (``StepSplit.offloaded``)."""
     back, opt = split.gradless, split.in_optimizer
     state = back.get("optstate", 0)
-    own, master = partitions * FLOAT32, trained * FLOAT32
-    shard = math.ceil(state / zero.world)
-    temporaries = math.ceil(max(opt.get("optstate", 0) - state, 0) / zero.world)  # the optimizer's, on its partition
+    wide = FLOAT32 / zero.element  # the optimizer's state, measured in the module's dtype, is float32's
+    own, master, grads = partitions * zero.element, trained * FLOAT32, trained * zero.element
+    shard = math.ceil(state * wide / zero.world)
+    temporaries = math.ceil(max(opt.get("optstate", 0) - state, 0) * wide / zero.world)  # the optimizer's
     # Through the step, besides the module's own: on the device, and in host memory (offload)
     device = {"parameter": -whole, "gradient": 0, "optstate": 0}
     host = {"parameter": 0, "gradient": 0, "optstate": 0}
     (host if zero.offload_param else device)["parameter"] += own
     if zero.offload_optimizer:
-        host.update(parameter=host["parameter"] + master, gradient=2 * master, optstate=shard)
+        host.update(parameter=host["parameter"] + master, gradient=grads + master, optstate=shard)
     else:
-        device.update(parameter=device["parameter"] + master, gradient=master, optstate=shard)
-    in_hand = largest * FLOAT32  # one gradient made whole before its copy into the reduce buffer
+        device.update(parameter=device["parameter"] + master, gradient=grads, optstate=shard)
+    in_hand = largest * zero.element  # one gradient made whole before its copy into the reduce buffer
     # Forward and backward, the module's gradients left out (they go to the reduce buffer as backward makes them,
     # and the step before's are gone: the rank's are its partitions): its peak without them.
     backward = ({"parameter": back.get("parameter", 0) + device["parameter"], "buffer": back.get("buffer", 0),
@@ -147,19 +178,21 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
                  "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
                  "other": back.get("other", 0)}, host)
     # The optimizer's step: without offload, the gradients flattened into a float32 copy of the trained partition
-    # (``_prepare_fp32_grad_for_sub_group``); the optimizer's own temporaries on the partition alone.
+    # (``_prepare_fp32_grad_for_sub_group``; in 16 bits a flattened copy first, then its float32 one); the
+    # optimizer's own temporaries on the partition alone.
     around = {"parameter": opt.get("parameter", 0) + device["parameter"], "activation": opt.get("activation", 0),
               "temp": opt.get("temp", 0), "other": opt.get("other", 0), "buffer": opt.get("buffer", 0)}
     if zero.offload_optimizer:
         stepping = ({**around, "gradient": 0, "optstate": 0}, {**host, "optstate": shard + temporaries})
     else:
-        stepping = ({**around, "gradient": 2 * master, "optstate": shard + temporaries}, host)
+        flattened = master + (grads if zero.element != FLOAT32 else 0)
+        stepping = ({**around, "gradient": grads + flattened, "optstate": shard + temporaries}, host)
     # Its end: the float32 gradients gone, the parameters kept whole gathered again beside their old copies.
     ended = ({**stepping[0], "parameter": around["parameter"] + regather, "gradient": device["gradient"],
               "optstate": device["optstate"]}, host)
     # Backward's epilogue: the last bucket's gradients flattened for the reduce-scatter and its buffer beside
     # (``__avg_scatter_grads``), up to a bucket or every gradient; the activations gone, one gradient in hand.
-    flat = min(zero.reduce_bucket_size, trained * zero.world) * FLOAT32
+    flat = min(zero.reduce_bucket_size, trained * zero.world) * zero.element
     epilogue = ({"parameter": around["parameter"], "buffer": opt.get("buffer", 0), "gradient": device["gradient"],
                  "optstate": device["optstate"], "temp": 2 * flat + in_hand}, host)
 
@@ -171,7 +204,7 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
 
     on_device, offloaded = max(backward, stepping, ended, epilogue, key=lambda m: sum(counted(m).values()))
     at_peak = counted((on_device, offloaded))
-    buffers = Held(zero.reduce_bucket_size * FLOAT32,
+    buffers = Held(zero.reduce_bucket_size * zero.element,
                    f"DeepSpeed's reduce buffer (reduce_bucket_size={zero.reduce_bucket_size:g} elements)")
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + buffers.bytes
     moved = sum(offloaded.values())
@@ -215,10 +248,16 @@ def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[],
     ``rows`` samples, ``optimizers`` stepping it, ``held(rows)`` on the device beside it (the batch).
     ``redirected``: ZeRO-3's steps run as calls of ``model`` (Lightning's: ``apply/zero3_gather.gathering``)."""
     groups, largest = _trained_groups(optimizers, model), _largest_trained(model)
-    if not isinstance(zero, Zero3):
-        steps = ModuleSteps(model, loss, optimizers, held, moments=True)  # the moments rank_step reads
+    if not isinstance(zero, Zero3):  # the moments rank_step reads, the module in the dtype DeepSpeed casts it to
+        steps = ModuleSteps(model, loss, optimizers, held, moments=True, around=lambda m: cast(m, zero.dtype))
         return ZeroSteps(steps, zero, groups, largest)
-    steps = ModuleSteps(model, loss, optimizers, held, moments=True, around=lambda m: gathering(m, zero, redirected))
+
+    @contextlib.contextmanager
+    def around(m: torch.nn.Module) -> Iterator[None]:
+        with cast(m, zero.dtype), gathering(m, zero, redirected):
+            yield
+
+    steps = ModuleSteps(model, loss, optimizers, held, moments=True, around=around)
     params = list({id(p): p for p in model.parameters()}.values())
     trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad} or \
         {id(p) for p in params if p.requires_grad}
@@ -226,15 +265,20 @@ def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[],
     return ZeroSteps(steps, zero, groups, largest,
                      partitions=sum(zero.partition(p.numel()) for p in params),
                      trained=sum(zero.partition(p.numel()) for p in params if id(p) in trained),
-                     whole=sum(p.numel() * p.element_size() for p in params if id(p) not in kept),
+                     whole=sum(p.numel() * _size(p, zero) for p in params if id(p) not in kept),
                      regather=_regather([p for p in params if id(p) in kept], zero))
 
 
 def _regather(kept: Sequence[torch.nn.Parameter], zero: Zero3) -> int:
     """Bytes of one all-gather of the parameters ``kept`` whole (DeepSpeed's ``_post_step``): one alone into a
     buffer of its own, which it keeps; several into a flat buffer, each copied out of it."""
-    flat = sum(zero.partition(p.numel()) * zero.world * p.element_size() for p in kept)
-    return flat if len(kept) < 2 else flat + sum(p.numel() * p.element_size() for p in kept)
+    flat = sum(zero.partition(p.numel()) * zero.world * _size(p, zero) for p in kept)
+    return flat if len(kept) < 2 else flat + sum(p.numel() * _size(p, zero) for p in kept)
+
+
+def _size(p: torch.Tensor, zero: Zero3) -> int:
+    """A parameter's element size once DeepSpeed cast the module (planning sees it before)."""
+    return zero.element if p.is_floating_point() else p.element_size()
 
 
 def _trained_groups(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> tuple[int, ...]:
@@ -249,4 +293,4 @@ def _largest_trained(model: torch.nn.Module) -> int:
     return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
 
 
-__all__ = ["Zero", "Zero3", "ZeroSteps", "rank_step", "rank_step3", "rank_steps"]
+__all__ = ["Zero", "Zero3", "ZeroSteps", "cast", "rank_step", "rank_step3", "rank_steps"]

@@ -63,6 +63,14 @@ class Zero3:
     offload_optimizer: bool = False
     offload_param: bool = False
     host_is_device: bool = False
+    # The module's dtype as DeepSpeed casts it (bf16/fp16): its partitions', gradients' and the reduce buffer's
+    # (DeepSpeed's defaults: gradients accumulated and communicated in the module's dtype); the master copy float32.
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def element(self) -> int:
+        """Bytes of one element in the module's dtype."""
+        return torch.empty(0, dtype=self.dtype).element_size()
 
     def partition(self, numel: int) -> int:
         """Elements of a rank's partition of a parameter of ``numel`` elements (padded to the world)."""
