@@ -34,7 +34,8 @@ _ZERO3_KEYS = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
                "stage3_max_reuse_distance": "max_reuse_distance",
                "stage3_param_persistence_threshold": "param_persistence_threshold",
                "stage3_model_persistence_threshold": "model_persistence_threshold"}
-_FP32 = ("32-true", "32")
+# Lightning's precisions under DeepSpeed -> the dtype DeepSpeed casts the module's parameters to
+_DTYPES = {"32-true": torch.float32, "32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 _OFFLOADS = ("offload_optimizer", "offload_param")
 
 
@@ -77,23 +78,35 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
         why = ("with contiguous_gradients=false the gradients stay whole until their bucket is reduced: not "
                "modelled yet")
         what = "zero_optimization.contiguous_gradients"
-    elif precision not in _FP32:
-        # bf16 is modelled for an engine called once a step (ckpt_tools.fit_fsdp --strategy deepspeed_stage_N_bf16),
-        # not yet under Lightning's flow: there a checkpointed block's ZeRO-3 step measured 2.4 % above it
-        why = (f"with precision {precision} the float32 master copy and 16-bit parameters and activations are "
-               "not modelled yet under Lightning (rank 0 plans before DeepSpeed casts the module)")
+    elif precision not in _DTYPES:
+        why = f"with precision {precision} the step is not modelled yet (32-bit and bf16 are)"
         what = "trainer.precision"
+    elif precision.startswith("bf16") and (given := _dtype_keys(strategy.config)):
+        why, what = "gradients accumulated or communicated in another dtype than the module's: not modelled yet", given
     if why is None:
         return None
     return ConfigError([Problem(
         key,
         f"{key}={value} cannot be planned under trainer.strategy {name}: {why} ({what}); under DeepSpeed "
-        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision (ZeRO-3 with offload "
-        "to cpu too), their buffers from the config",
+        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit and bf16 precision (ZeRO-3 with "
+        "offload to cpu too), their buffers from the config",
         "here plan the activations with ckpt.budget (a fraction of the activation peak without checkpointing, or "
         "min), give a plan file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, "
         "ckpt=offload)",
     )])
+
+
+def _dtype_keys(config: dict[str, Any]) -> str:
+    """The first key that sets the gradients' accumulation or communication dtype ("" if none does): the model
+    takes DeepSpeed's defaults (both the module's dtype)."""
+    if (config.get("data_types") or {}).get("grad_accum_dtype") is not None:
+        return "data_types.grad_accum_dtype"
+    return "communication_data_type" if config.get("communication_data_type") is not None else ""
+
+
+def dtype_of(strategy: Any) -> torch.dtype:
+    """The dtype DeepSpeed casts the module's parameters to under the strategy's precision (float32 unless bf16)."""
+    return _DTYPES.get(str(getattr(strategy.precision_plugin, "precision", "32-true")), torch.float32)
 
 
 def is_zero3(strategy: Any) -> bool:
@@ -119,9 +132,12 @@ def zero_steps(trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sampl
     )
 
     section = _section(trainer.strategy)
+    dtype = dtype_of(trainer.strategy)
+    sample = sample.cast(dtype)  # the batch as the precision converts it (Lightning's convert_input)
     # the Trainer builds its own later; DeepSpeed's host optimizers measured as the torch one of the same state
     optimizers = [stand_in(o) for o in _init_optimizers_and_lr_schedulers(pl_module)[0]]
-    zero = _zero_of(section, trainer.world_size, host_is_device=trainer.strategy.root_device.type == "cpu")
+    zero = _zero_of(section, trainer.world_size, host_is_device=trainer.strategy.root_device.type == "cpu",
+                    dtype=dtype)
     # Lightning runs training_step under DeepSpeed as a call of the module (its forward redirection)
     return rank_steps(pl_module, sample.loss, optimizers, lambda rows: (*held, sample.held(rows)), zero,
                       redirected=True)
@@ -147,7 +163,8 @@ def stand_in(optimizer: Any) -> Any:
     return make([{"params": list(group["params"])} for group in optimizer.param_groups])
 
 
-def _zero_of(section: dict[str, Any], world: int, host_is_device: bool = False) -> Zero | Zero3:
+def _zero_of(section: dict[str, Any], world: int, host_is_device: bool = False,
+             dtype: torch.dtype = torch.float32) -> Zero | Zero3:
     """The terms of a rank's step, from the ``zero_optimization`` section (DeepSpeed's defaults where it has none);
     ``host_is_device``: the rank's device is the host (DeepSpeed's CPU accelerator), where offload moves nothing
     off it."""
@@ -160,9 +177,9 @@ def _zero_of(section: dict[str, Any], world: int, host_is_device: bool = False) 
         return Zero3(world=world, reduce_bucket_size=number("reduce_bucket_size"), **given,
                      memory_efficient_linear=bool(section.get("memory_efficient_linear", True)),
                      offload_optimizer="offload_optimizer" in offloaded, offload_param="offload_param" in offloaded,
-                     host_is_device=host_is_device)
+                     host_is_device=host_is_device, dtype=dtype)
     return Zero(stage=int(section["stage"]), world=world, reduce_bucket_size=number("reduce_bucket_size"),
-                overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])))
+                overlap_comm=bool(section.get("overlap_comm", _DEFAULTS["overlap_comm"])), dtype=dtype)
 
 
 def tracked(optimizers: Sequence[Any]) -> list[Any]:
