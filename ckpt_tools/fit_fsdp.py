@@ -298,7 +298,9 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], out: str) -> N
                     for optimizer in args["optimizers"]:
                         t0 = time.perf_counter()
                         # ZeRO-3's engine installs DeepSpeed's linear: no selective options (planning/options.py)
-                        with without_selective(STAGES.get(strategy) == 3):
+                        # (for the process: a later strategy in the same launch runs under it too)
+                        deepspeed_linear = torch.nn.functional.linear.__module__.startswith("deepspeed")
+                        with without_selective(STAGES.get(strategy) == 3 or deepspeed_linear):
                             one, limits, found = check_sharded(s, optimizer, args["fractions"], args["batch"],
                                                                strategy, mesh)
                         steps.append(one)

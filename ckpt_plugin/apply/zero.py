@@ -202,10 +202,11 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
             return on
         return {c: on.get(c, 0) + off.get(c, 0) for c in {**on, **off}}
 
-    # Mid-backward, a bucket's worth of gradients made: DeepSpeed flattens the bucket for its reduce-scatter and
-    # its buffer beside (as in the epilogue) while the activations still live (seen under Lightning with a block
-    # recomputed whole: 2.9 % above the prediction before this moment was counted). What the module's backward held
-    # besides its gradients then (``StepSplit.gradless_after``) holds its own optimizer state: the rank's is above.
+    # Mid-backward, each bucket DeepSpeed flushes is flattened for its reduce-scatter with the scatter's buffer
+    # beside (as in the epilogue) while the activations still live (seen under Lightning with a block recomputed
+    # whole: 2.9 % above the prediction before this moment was counted). What the module's backward held besides
+    # its gradients then (:func:`_at_buckets`) holds the module's whole parameters and optimizer state: the rank's
+    # are above (``device``).
     late = _at_buckets(split, zero.reduce_bucket_size * zero.element)
     reducing = ({"parameter": device["parameter"], "gradient": device["gradient"], "optstate": device["optstate"],
                  "temp": late - state + in_hand}, host) if late else backward
