@@ -52,8 +52,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "zero3_memory": ["deepspeed_zero3_buckets", {"mode": "auto", "memory": "440000B"}],
         # the same under Lightning's deepspeed_stage_3_offload (optimizer and parameters to cpu: the device here)
         "zero3_offload_memory": ["deepspeed_zero3_buckets_offload", {"mode": "auto", "memory": "504000B"}],
-        # in bf16 (DeepSpeed's: the parameters cast, a float32 master copy), the limits between the least plan's
-        # modelled step and the one without checkpointing
+        # in bf16 (DeepSpeed's: the parameters cast, a float32 master copy), the limit between the least plan's
+        # modelled step and the one without checkpointing; ZeRO-3 in bf16 refused
         "zero2_memory_bf16": ["deepspeed_zero2_buckets_bf16", {"mode": "auto", "memory": "312000B"}],
         "zero3_memory_bf16": ["deepspeed_zero3_buckets_bf16", {"mode": "auto", "memory": "273000B"}],
         "zero3_bytes_bf16": ["deepspeed_zero3_bf16", {"mode": "auto", "budget": "1MiB"}],
@@ -149,21 +149,26 @@ def test_under_zero_3_every_rank_s_whole_step_is_under_the_limit_and_the_larger_
     assert abs(measured[0]["predicted"] - larger) <= 0.05 * larger, (measured[0]["predicted"], larger)
 
 
-@pytest.mark.parametrize(("run", "limit"), [("zero2_memory_bf16", 312_000), ("zero3_memory_bf16", 273_000)])
-def test_in_bf16_every_rank_s_whole_step_is_under_the_limit_and_the_prediction_bounds_it(out: Path, run: str,
-                                                                                        limit: int) -> None:
-    """ckpt.memory under ZeRO-2 and ZeRO-3 in bf16-mixed: the module's fake step with its parameters cast as
-    DeepSpeed casts them and the batch as Lightning converts it; every rank installs the plan, its second step is
-    under the limit and the prediction above it (ZeRO-3 within 5 % of the larger rank; ZeRO-2's, on this small
-    model, 7.2 % above: docs/fit-a-gpu.md)."""
-    measured = ranks(out, run)
+def test_in_bf16_every_zero_2_rank_s_whole_step_is_under_the_limit_and_the_prediction_bounds_it(out: Path) -> None:
+    """ckpt.memory under ZeRO-2 in bf16-mixed: the module's fake step with its parameters cast as DeepSpeed casts
+    them and the batch as Lightning converts it; every rank installs the plan, its second step is under the limit
+    and the prediction above it (on this small model 7.2 % above the larger rank: docs/fit-a-gpu.md)."""
+    measured = ranks(out, "zero2_memory_bf16")
     for rank in measured:
         assert "error" not in rank, rank
         assert rank["wrapped"] == measured[0]["wrapped"] and rank["wrapped"], rank
-        assert rank["measured"] <= rank["predicted"] <= rank["limit"] == limit, rank
-    if run.startswith("zero3"):
-        larger = max(rank["measured"] for rank in measured)
-        assert measured[0]["predicted"] - larger <= 0.05 * larger, (measured[0]["predicted"], larger)
+        assert rank["measured"] <= rank["predicted"] <= rank["limit"] == 312_000, rank
+
+
+def test_zero_3_in_bf16_is_refused_on_every_rank_naming_the_key(out: Path) -> None:
+    said = ("ckpt.memory=273000B cannot be planned under trainer.strategy CPUDeepSpeedStrategy (ZeRO stage 3): ZeRO-3 "
+            "in bf16 is not modelled yet (a rank's step measured 5.8 % above the prediction with every layer "
+            "recomputed; ZeRO-1 and ZeRO-2 in bf16 are) (trainer.precision); under DeepSpeed ckpt.memory and "
+            "ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision (ZeRO-3 with offload to cpu too) and "
+            "ZeRO-1 and ZeRO-2 in bf16, their buffers from the config; here plan the activations with ckpt.budget (a "
+            "fraction of the activation peak without checkpointing, or min), give a plan file with "
+            "ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)")
+    assert [r["error"] for r in ranks(out, "zero3_memory_bf16")] == [["ConfigError", said]] * 2
 
 
 def test_a_size_budget_under_deepspeed_in_half_precision_is_refused_naming_ckpt_budget(out: Path) -> None:
