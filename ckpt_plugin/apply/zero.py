@@ -58,7 +58,7 @@ class Zero:
     @property
     def grad_bytes(self) -> int:
         """The gradients' element size: the module's dtype (the reduce buffers', ``grads_in_partition``'s)."""
-        return _bytes(self.dtype)
+        return self.dtype.itemsize
 
     @property
     def buffers(self) -> Held:
@@ -70,10 +70,6 @@ class Zero:
     def partitions(self, groups: Sequence[int]) -> int:
         """Elements of this rank's partition: each parameter group's flat buffer split over the world."""
         return sum(math.ceil(numel / self.world) for numel in groups)
-
-
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 @contextlib.contextmanager

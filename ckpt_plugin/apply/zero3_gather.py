@@ -70,7 +70,7 @@ class Zero3:
     @property
     def element(self) -> int:
         """Bytes of one element in the module's dtype."""
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def partition(self, numel: int) -> int:
         """Elements of a rank's partition of a parameter of ``numel`` elements (padded to the world)."""
