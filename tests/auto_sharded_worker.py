@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckpt_examples.gpt import GPT
+from ckpt_examples.sharding import shard_blocks
 from ckpt_plugin import ActivationCheckpointing
 from ckpt_plugin.engine.wrap import CheckpointedForward
 
@@ -37,8 +38,26 @@ class SGDGPT(GPT):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class TensorParallelGPT(SGDGPT):
+    """Each block's MLP tensor parallel (its first linear by columns, its second by rows), then FSDP2 over the data
+    parallel dimension, as torchtitan lays out a model on a 2-D mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if isinstance(self, FSDPModule):
+            return
+        for block in self.blocks:
+            parallelize_module(block.mlp, self.device_mesh["tensor_parallel"],
+                               {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+        shard_blocks(self, self.blocks, self.device_mesh)
+
+
 def model(strategy: str) -> GPT:
     torch.manual_seed(7)
+    if strategy == "tensor_parallel":
+        return TensorParallelGPT(**SIZE)
     return SGDGPT(**SIZE, defer_init=strategy == "model_parallel")  # "fsdp2": FSDP2 too, the layers built in __init__
 
 
@@ -53,10 +72,11 @@ def strategy_of(name: str) -> Any:
 
     if name == "fsdp":  # one root unit: a wrap policy per block renames the blocks (blocks.0._fsdp_wrapped_module)
         return CPUFSDPStrategy()
-    if name in ("model_parallel", "fsdp2"):
+    if name in ("model_parallel", "fsdp2", "tensor_parallel"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+        tp = 2 if name == "tensor_parallel" else 1
+        return ModelParallelStrategy(data_parallel_size=2 // tp, tensor_parallel_size=tp, process_group_backend="gloo")
     if name == "cuda_deepspeed_zero3_offload":  # one GPU (the GPU check): Lightning's deepspeed_stage_3_offload
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -68,7 +88,7 @@ def strategy_of(name: str) -> Any:
         buckets = dict(reduce_bucket_size=10_000, allgather_bucket_size=10_000) if "_buckets" in name else {}
         # _offload: Lightning's deepspeed_stage_3_offload (optimizer and parameters to cpu); a torch optimizer steps
         # the host copy (DeepSpeed's CPU Adam needs an op built)
-        offload = dict(offload_optimizer=True, offload_parameters=True) if name.endswith("_offload") else {}
+        offload = dict(offload_optimizer=True, offload_parameters=True) if "_offload" in name else {}
         strategy = CPUDeepSpeedStrategy(stage=int(name.removeprefix("deepspeed_zero")[0]), **buckets, **offload)
         if offload:
             strategy.config["zero_force_ds_cpu_optimizer"] = False

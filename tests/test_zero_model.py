@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from ckpt_plugin.apply.zero import Zero, Zero3, rank_step, rank_step3
+from ckpt_plugin.apply.zero import Stepping, Zero, Zero3, rank_step, rank_step3
 from ckpt_plugin.measure.whole_step import Held, StepSplit
 
 # The module's step (one process, fake tensors) as whole_step measures it: its parameters 1,000 B, the optimizer's
@@ -20,13 +20,15 @@ MODULE = StepSplit(
     gradless={"parameter": 1_000, "gradient": 0, "optstate": 2_000, "activation": 5_000, "temp": 300, "total": 8_300},
     in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200, "total": 4_200},
     gradless_at={0: 8_300, 400: 8_000, 1_000: 3_100}, held=(Held(64, "the batch"),))
+# The optimizer's step on the rank's flat partition (2 ranks): its state 1,000 B, 100 B of temporaries.
+STEPPING = Stepping(state=1_000, temporaries=100)
 
 
 def test_a_rank_holds_its_partitions_the_buffers_and_the_module_s_activations_without_its_gradients() -> None:
     """250 elements in one group, 2 ranks, buckets of 1,000 elements (all the gradients fit one: no partition is
     reduced before backward ends), overlap_comm: two buffers."""
     zero = Zero(stage=2, world=2, reduce_bucket_size=1_000, overlap_comm=True)
-    step = rank_step(MODULE, zero, groups=[250], largest=50)
+    step = rank_step(MODULE, zero, groups=[250], stepping=STEPPING, largest=50)
     partition = 125 * 4
     persistent = 1_000 + partition + 2_000 // 2  # parameters, master copy + state (no gradient outlives a step)
     backward = persistent + 5_000 + 300 + 50 * 4  # the module's backward without its gradients, one in hand
@@ -39,7 +41,7 @@ def test_with_more_gradients_than_a_bucket_a_partition_is_reduced_while_activati
     """Buckets of 100 elements (400 B): once 400 B of gradients were made, the module held 8,000 B besides them;
     grads_in_partition (the partition and the largest parameter) is made then on one rank."""
     zero = Zero(stage=1, world=2, reduce_bucket_size=100, overlap_comm=False)
-    step = rank_step(MODULE, zero, groups=[250], largest=50)
+    step = rank_step(MODULE, zero, groups=[250], stepping=STEPPING, largest=50)
     partition = 125 * 4
     persistent = 1_000 + partition + 1_000
     late = 8_000 - 1_000 - 2_000  # what else the module's backward held then
@@ -128,7 +130,7 @@ def test_a_zero_3_rank_holds_its_partitions_a_master_copy_its_gradients_partitio
         gradless={"parameter": 1_600, "gradient": 400, "optstate": 2_000, "activation": 5_000, "temp": 300},
         in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),))
     zero = Zero3(world=2, reduce_bucket_size=1_000)
-    step = rank_step3(module, zero, partitions=125, trained=125, whole=800, largest=50)
+    step = rank_step3(module, zero, partitions=125, trained=125, whole=800, stepping=STEPPING, largest=50)
     own = 125 * 4  # the parameters' partitions; as much again: the float32 master copy; and the gradients'
     backward = (1_600 - 800 + own + own) + own + 2_000 // 2 + 5_000 + 300 + 50 * 4
     assert step.peak == backward + 64 + 1_000 * 4
@@ -136,14 +138,15 @@ def test_a_zero_3_rank_holds_its_partitions_a_master_copy_its_gradients_partitio
     assert [h.by for h in step.held] == ["the batch", "DeepSpeed's reduce buffer (reduce_bucket_size=1000 elements)"]
     # The optimizer's step ends gathering the parameters kept whole again (here 10,000 B of buffer and copies):
     # its parameters then, its partitions and state, the gradients' partitions, above backward's peak.
-    ended = rank_step3(module, zero, partitions=125, trained=125, whole=800, largest=50, regather=10_000)
+    ended = rank_step3(module, zero, partitions=125, trained=125, whole=800, stepping=STEPPING, largest=50,
+                       regather=10_000)
     assert ended.peak == (1_000 + (own + own - 800) + 10_000) + own + 2_000 // 2 + 64 + 1_000 * 4
     # Backward's epilogue: the last bucket's gradients flattened and the reduce-scatter's buffer (every gradient
     # here: 250 elements), one gradient in hand; above the rest where backward holds few activations.
     light = StepSplit(peak=0, gradless={"parameter": 1_600, "activation": 100}, in_optimizer=module.in_optimizer,
                       held=module.held)
-    step = rank_step3(light, zero, partitions=125, trained=125, whole=800, largest=50)
-    assert step.peak == (1_000 + 2 * own - 800) + own + 0 + 2 * 250 * 4 + 50 * 4 + 64 + 1_000 * 4
+    step = rank_step3(light, zero, partitions=125, trained=125, whole=800, stepping=STEPPING, largest=50)
+    assert step.peak == (1_000 + 2 * own - 800) + own + STEPPING.state + 2 * 250 * 4 + 50 * 4 + 64 + 1_000 * 4
 
 
 def test_zero_3_offload_leaves_the_device_s_step_on_a_gpu_and_stays_in_it_where_the_host_is_the_device() -> None:
@@ -154,7 +157,7 @@ def test_zero_3_offload_leaves_the_device_s_step_on_a_gpu_and_stays_in_it_where_
         peak=9_999, at_peak={"parameter": 1_600, "gradient": 1_000, "optstate": 2_000, "activation": 5_000},
         gradless={"parameter": 1_600, "gradient": 400, "optstate": 2_000, "activation": 5_000, "temp": 300},
         in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),))
-    terms = {"partitions": 125, "trained": 125, "whole": 800, "largest": 50}
+    terms = {"partitions": 125, "trained": 125, "whole": 800, "stepping": STEPPING, "largest": 50}
     on_gpu = rank_step3(module, Zero3(world=2, reduce_bucket_size=1_000, offload_optimizer=True,
                                       offload_param=True), **terms)
     # backward: the gathered parameters (1,600 B less the 800 B whole), activations, temporaries, one gradient
@@ -234,9 +237,8 @@ def test_deepspeed_s_host_adam_is_measured_as_torch_s_adam_of_the_same_state() -
 
 def test_in_bf16_the_module_s_terms_are_two_bytes_an_element_and_the_master_copy_and_state_four() -> None:
     """The module's step measured with its parameters in bf16 (as DeepSpeed casts them): its partitions, gradients,
-    the reduce buffers and the gradient in hand in bf16; the master copy float32, the optimizer's state measured in
-    bf16 counted twice over (it is float32's, on the master copy); in the step the gradients flattened in bf16,
-    then in float32."""
+    the reduce buffers and the gradient in hand in bf16; the master copy and the optimizer's state on it float32
+    (measured on the flat partition: ``STEPPING``); in the step the gradients flattened in bf16, then in float32."""
     import torch
 
     module = StepSplit(
@@ -244,14 +246,14 @@ def test_in_bf16_the_module_s_terms_are_two_bytes_an_element_and_the_master_copy
         gradless={"parameter": 1_600, "gradient": 400, "optstate": 2_000, "activation": 5_000, "temp": 300},
         in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),))
     zero3 = Zero3(world=2, reduce_bucket_size=1_000, dtype=torch.bfloat16)
-    step = rank_step3(module, zero3, partitions=125, trained=125, whole=800, largest=50)
+    step = rank_step3(module, zero3, partitions=125, trained=125, whole=800, stepping=STEPPING, largest=50)
     own, master, grads = 125 * 2, 125 * 4, 125 * 2
-    backward = (1_600 - 800 + own + master) + grads + 2_000 * 2 // 2 + 5_000 + 300 + 50 * 2
+    backward = (1_600 - 800 + own + master) + grads + STEPPING.state + 5_000 + 300 + 50 * 2
     assert step.peak == backward + 64 + 1_000 * 2
     assert step.held[-1] == Held(2_000, "DeepSpeed's reduce buffer (reduce_bucket_size=1000 elements)")
     zero2 = Zero(stage=2, world=2, reduce_bucket_size=1_000, overlap_comm=True, dtype=torch.bfloat16)
-    step = rank_step(MODULE, zero2, groups=[250], largest=50)
-    persistent = 1_000 + 125 * 4 + 2_000 * 2 // 2  # the module's parameters (bf16, measured), master, state
+    step = rank_step(MODULE, zero2, groups=[250], stepping=STEPPING, largest=50)
+    persistent = 1_000 + 125 * 4 + STEPPING.state  # the module's parameters (bf16, measured), master, state
     assert step.peak == persistent + 5_000 + 300 + 50 * 2 + 64 + 2 * 1_000 * 2
 
 
@@ -285,11 +287,12 @@ def test_a_zero_3_bucket_reduced_while_a_recomputed_block_s_activations_live_is_
         in_optimizer={"parameter": 1_000, "gradient": 1_000, "optstate": 2_200}, held=(Held(64, "the batch"),),
         gradless_at={0: 8_000, 400: 8_000, 1_000: 8_300})
     step = rank_step3(module, Zero3(world=2, reduce_bucket_size=100), partitions=125, trained=125, whole=800,
-                      largest=50)
+                      stepping=STEPPING, largest=50)
     own = 125 * 4
     rank = (own + own - 800) + own + 2_000 // 2  # partitions, master copy, less the whole; gradients; state
     assert step.peak == rank + (8_300 - 2_000 + 2 * 400) + 50 * 4 + 64 + 100 * 4
     quiet = rank_step3(replace(module, gradless_at={0: 8_000, 400: 8_000, 1_000: 7_000}),
-                       Zero3(world=2, reduce_bucket_size=100), partitions=125, trained=125, whole=800, largest=50)
+                       Zero3(world=2, reduce_bucket_size=100), partitions=125, trained=125, whole=800,
+                       stepping=STEPPING, largest=50)
     backward = (1_600 - 800 + own + own) + own + 2_000 // 2 + 5_000 + 300 + 50 * 4
     assert quiet.peak == backward + 64 + 100 * 4

@@ -10,7 +10,8 @@ parameters, the gradients and the optimizer's state in float32):
 - the parameters, whole on every rank: views of one flat buffer per parameter group (measured);
 - its partition of each group (``ceil(numel / world)`` elements): a float32 master copy the optimizer steps
   (modelled); no gradient outlives a step (the master copy's float32 one is freed after it);
-- the optimizer's state on its partition alone: the module's state over the world size (measured, divided);
+- the optimizer's state on its partition: measured on fake flat partitions as DeepSpeed steps them
+  (``measure/flat_step.py``: one group at a time), with its step's temporaries;
 - while backward runs, the reduce buffer (``contiguous_gradients``): ``reduce_bucket_size`` elements of the
   gradients' dtype, two with ``overlap_comm`` (modelled from the config); each gradient is copied into it as
   backward makes it, so the gradients never all live at once: backward's peak is the module's less its
@@ -19,7 +20,7 @@ parameters, the gradients and the optimizer's state in float32):
   the rank's partition: mid-backward where the gradients outgrow a bucket (``StepSplit.gradless_after``);
 - backward's epilogue: the last bucket flattened, which the collective may hold past the next allocation;
 - in the optimizer's step, grads_in_partition flattened into the master copy's float32 gradient (a copy), and
-  the optimizer's temporaries on the partition (measured, divided).
+  the optimizer's temporaries on the partition (measured).
 
 The largest of those moments is the larger rank's step, an upper bound of each. Checked against DeepSpeed
 engines on 2 gloo ranks (``python -m ckpt_tools.fit_fsdp --batch --strategy deepspeed_stage_2,deepspeed_stage_1``,
@@ -39,6 +40,7 @@ import torch
 
 from ckpt_plugin.apply.memory import ModuleSteps
 from ckpt_plugin.apply.zero3_gather import Zero3, gathering, persistent
+from ckpt_plugin.measure.flat_step import Stepping, flat_stepping
 from ckpt_plugin.measure.whole_step import Held, StepSplit
 from ckpt_plugin.engine.plan import WrapPlan
 
@@ -88,19 +90,20 @@ def cast(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
             t.data = data
 
 
-def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int = 0) -> StepSplit:
+def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], stepping: Stepping,
+              largest: int = 0) -> StepSplit:
     """A ZeRO-1/2 rank's whole step, from ``split`` (the module's step on fake tensors, its optimizers stepping
-    the whole module, its held bytes: the batch), ``groups`` (elements of each parameter group trained) and
-    ``largest`` (the elements of the largest parameter trained). The larger rank's: an upper bound of each."""
+    the whole module, its held bytes: the batch), ``groups`` (elements of each parameter group trained),
+    ``stepping`` (the optimizer's state and temporaries on the rank's flat partitions) and ``largest`` (the
+    elements of the largest parameter trained). The larger rank's: an upper bound of each."""
     back, opt = split.gradless, split.in_optimizer
-    wide = FLOAT32 / zero.grad_bytes  # the optimizer's state, measured in the module's dtype, is float32's
-    state = back.get("optstate", 0)  # the optimizer's state alive through forward and backward: the whole module's
+    state = back.get("optstate", 0)  # the module's optimizer state alive through its forward and backward
     elements = zero.partitions(groups)
     partition = elements * FLOAT32  # the float32 master copy
     # No gradient outlives the step: the float32 one the optimizer steps is freed after it, grads_in_partition
     # (below) with it (``_release_ipg_buffers`` drops it at backward's end; its views live until the step).
     persistent = {"parameter": back.get("parameter", 0) + back.get("buffer", 0), "gradient": 0,
-                  "optstate": partition + math.ceil(state * wide / zero.world)}
+                  "optstate": partition + stepping.state}
     # grads_in_partition, made again each step at the first bucket of this rank's partition that backward
     # reduces, and kept through the optimizer's step: the partition and the parameter that straddles its edge.
     # With more gradients than one bucket holds, that is mid-backward on the rank whose partition holds the last
@@ -122,25 +125,25 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], largest: int 
     # grads_in_partition was made in 1 run in 5 (docs/fit-a-gpu.md). Both are counted.
     flat = min(zero.reduce_bucket_size, sum(groups)) * zero.grad_bytes
     epilogue = {**persistent, "temp": flat + reduced}
-    temporaries = max(opt.get("optstate", 0) - state, 0)  # the optimizer's own, on the partition alone
     # The step flattens grads_in_partition into the float32 gradient of the partition (a copy; in 16 bits the
     # flattened copy first, then its float32 one), and steps.
     flattened = partition + (elements * zero.grad_bytes if zero.grad_bytes != FLOAT32 else 0)
-    stepping = {**persistent, "optstate": persistent["optstate"] + math.ceil(temporaries * wide / zero.world),
-                "activation": opt.get("activation", 0), "gradient": flattened, "temp": opt.get("temp", 0) + reduced,
-                "other": opt.get("other", 0)}
-    at_peak = max(backward, epilogue, stepping, key=lambda c: sum(c.values()))
+    step = {**persistent, "optstate": persistent["optstate"] + stepping.temporaries,
+            "activation": opt.get("activation", 0), "gradient": flattened, "temp": opt.get("temp", 0) + reduced,
+            "other": opt.get("other", 0)}
+    at_peak = max(backward, epilogue, step, key=lambda c: sum(c.values()))
     total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + zero.buffers.bytes
     return replace(split, peak=total, at_peak={c: at_peak.get(c, 0) for c in split.at_peak} | at_peak,
                    held=(*split.held, zero.buffers), cuda_allocated=None, cuda_reserved=None)
 
 
-def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, whole: int, largest: int = 0,
-               regather: int = 0) -> StepSplit:
+def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, whole: int, stepping: Stepping,
+               largest: int = 0, regather: int = 0) -> StepSplit:
     """A ZeRO-3 rank's whole step, from ``split``: the module's step on fake tensors with ZeRO-3's gathering played
     on it (``apply/zero3_gather.py``: the gathered parameters filed as parameters, the partitioned ones still whole
     besides, ``whole`` bytes). ``partitions``: elements of the rank's partitions of every parameter; ``trained``:
-    of those trained; ``largest``: elements of the largest parameter trained. What the rank holds besides
+    of those trained; ``stepping``: the optimizer's state and temporaries on the rank's flat float32 partitions
+    (``measure/flat_step.py``); ``largest``: elements of the largest parameter trained. What the rank holds besides
     (DeepSpeed 0.19, ``runtime/zero/stage3.py``, float32): its partitions of the parameters (one flat buffer), a
     float32 master copy of the trained ones (a copy even in float32: ``_create_fp32_partitions`` compares a device
     with a device's name), the gradients' partitions (``grad_partitions_flat_buffer``), the optimizer's state on
@@ -153,11 +156,9 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     partitions. They count in the step only where the device is the host (``zero.host_is_device``); the split
     says them apart either way (``StepSplit.offloaded``)."""
     back, opt = split.gradless, split.in_optimizer
-    state = back.get("optstate", 0)
-    wide = FLOAT32 / zero.element  # the optimizer's state, measured in the module's dtype, is float32's
+    state = back.get("optstate", 0)  # the module's optimizer state alive through its forward and backward
     own, master, grads = partitions * zero.element, trained * FLOAT32, trained * zero.element
-    shard = math.ceil(state * wide / zero.world)
-    temporaries = math.ceil(max(opt.get("optstate", 0) - state, 0) * wide / zero.world)  # the optimizer's
+    shard, temporaries = stepping.state, stepping.temporaries
     # Through the step, besides the module's own: on the device, and in host memory (offload)
     device = {"parameter": -whole, "gradient": 0, "optstate": 0}
     host = {"parameter": 0, "gradient": 0, "optstate": 0}
@@ -174,17 +175,18 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
                  "activation": back.get("activation", 0), "temp": back.get("temp", 0) + in_hand,
                  "other": back.get("other", 0)}, host)
     # The optimizer's step: without offload, the gradients flattened into a float32 copy of the trained partition
-    # (``_prepare_fp32_grad_for_sub_group``; in 16 bits a flattened copy first, then its float32 one); the
-    # optimizer's own temporaries on the partition alone.
+    # (``_prepare_fp32_grad_for_sub_group``; in 16 bits a flattened copy first, freed once its float32 one is made),
+    # then the optimizer's step on it with its temporaries: the larger of those two moments.
     around = {"parameter": opt.get("parameter", 0) + device["parameter"], "activation": opt.get("activation", 0),
               "temp": opt.get("temp", 0), "other": opt.get("other", 0), "buffer": opt.get("buffer", 0)}
     if zero.offload_optimizer:
-        stepping = ({**around, "gradient": 0, "optstate": 0}, {**host, "optstate": shard + temporaries})
+        step = ({**around, "gradient": 0, "optstate": 0}, {**host, "optstate": shard + temporaries})
     else:
-        flattened = master + (grads if zero.element != FLOAT32 else 0)
-        stepping = ({**around, "gradient": grads + flattened, "optstate": shard + temporaries}, host)
+        converting = grads if zero.element != FLOAT32 else 0
+        step = ({**around, "gradient": grads + master + max(converting - temporaries, 0),
+                 "optstate": shard + temporaries}, host)
     # Its end: the float32 gradients gone, the parameters kept whole gathered again beside their old copies.
-    ended = ({**stepping[0], "parameter": around["parameter"] + regather, "gradient": device["gradient"],
+    ended = ({**step[0], "parameter": around["parameter"] + regather, "gradient": device["gradient"],
               "optstate": device["optstate"]}, host)
     # Backward's epilogue: the last bucket's gradients flattened for the reduce-scatter and its buffer beside
     # (``__avg_scatter_grads``), up to a bucket or every gradient; the activations gone, one gradient in hand.
@@ -206,7 +208,7 @@ def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, who
     late = _at_buckets(split, zero.reduce_bucket_size * zero.element)
     reducing = ({"parameter": device["parameter"], "gradient": device["gradient"], "optstate": device["optstate"],
                  "temp": late - state + in_hand}, host) if late else backward
-    on_device, offloaded = max(backward, reducing, stepping, ended, epilogue,
+    on_device, offloaded = max(backward, reducing, step, ended, epilogue,
                                key=lambda m: sum(counted(m).values()))
     at_peak = counted((on_device, offloaded))
     buffers = Held(zero.reduce_bucket_size * zero.element,
@@ -228,6 +230,7 @@ class ZeroSteps:
     steps: ModuleSteps
     zero: Zero | Zero3
     groups: tuple[int, ...]
+    stepping: Stepping  # the optimizer's step on the rank's flat partitions (measure/flat_step.py)
     largest: int = 0  # elements of the largest parameter trained
     partitions: int = 0  # ZeRO-3: elements of the rank's partitions, of every parameter and of those trained
     trained: int = 0
@@ -237,9 +240,9 @@ class ZeroSteps:
     def of(self, plan: WrapPlan, rows: int | None = None) -> StepSplit:
         split = self.steps.of(plan, rows)
         if isinstance(self.zero, Zero3):
-            return rank_step3(split, self.zero, self.partitions, self.trained, self.whole, self.largest,
-                              self.regather)
-        return rank_step(split, self.zero, self.groups, self.largest)
+            return rank_step3(split, self.zero, self.partitions, self.trained, self.whole, self.stepping,
+                              self.largest, self.regather)
+        return rank_step(split, self.zero, self.groups, self.stepping, self.largest)
 
     @property
     def device(self) -> torch.device | None:
@@ -253,9 +256,10 @@ def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[],
     ``rows`` samples, ``optimizers`` stepping it, ``held(rows)`` on the device beside it (the batch).
     ``redirected``: ZeRO-3's steps run as calls of ``model`` (Lightning's: ``apply/zero3_gather.gathering``)."""
     groups, largest = _trained_groups(optimizers, model), _largest_trained(model)
+    stepping = _stepping(model, optimizers, zero)
     if not isinstance(zero, Zero3):  # the moments rank_step reads, the module in the dtype DeepSpeed casts it to
         steps = ModuleSteps(model, loss, optimizers, held, moments=True, around=lambda m: cast(m, zero.dtype))
-        return ZeroSteps(steps, zero, groups, largest)
+        return ZeroSteps(steps, zero, groups, stepping, largest)
 
     @contextlib.contextmanager
     def around(m: torch.nn.Module) -> Iterator[None]:
@@ -267,11 +271,27 @@ def rank_steps(model: torch.nn.Module, loss: Callable[[int | None], Callable[[],
     trained = {id(p) for o in optimizers for g in o.param_groups for p in g["params"] if p.requires_grad} or \
         {id(p) for p in params if p.requires_grad}
     kept = persistent(model, zero)
-    return ZeroSteps(steps, zero, groups, largest,
+    return ZeroSteps(steps, zero, groups, stepping, largest,
                      partitions=sum(zero.partition(p.numel()) for p in params),
                      trained=sum(zero.partition(p.numel()) for p in params if id(p) in trained),
                      whole=sum(p.numel() * _size(p, zero) for p in params if id(p) not in kept),
                      regather=_regather([p for p in params if id(p) in kept], zero))
+
+
+def _stepping(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], zero: Zero | Zero3) -> Stepping:
+    """The optimizers' step on this rank's flat float32 partitions, as DeepSpeed makes them of each group's trained
+    parameters: ZeRO-1/2 the group's flat buffer split over the world, ZeRO-3 each parameter's partition; on the
+    host where ZeRO-3 offloads the optimizer."""
+    def elements(params: Sequence[torch.Tensor]) -> int:
+        trained = [p.numel() for p in params if p.requires_grad]
+        if isinstance(zero, Zero3):
+            return sum(zero.partition(n) for n in trained)
+        return math.ceil(sum(trained) / zero.world)
+
+    partitions = [[elements(g["params"]) for g in o.param_groups] for o in optimizers]
+    offloaded = isinstance(zero, Zero3) and zero.offload_optimizer
+    device = torch.device("cpu") if offloaded else next(model.parameters()).device
+    return flat_stepping(optimizers, partitions, device)
 
 
 def _at_buckets(split: StepSplit, bucket: int) -> int:
@@ -314,4 +334,4 @@ def _largest_trained(model: torch.nn.Module) -> int:
     return max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
 
 
-__all__ = ["Zero", "Zero3", "ZeroSteps", "cast", "rank_step", "rank_step3", "rank_steps"]
+__all__ = ["Stepping", "Zero", "Zero3", "ZeroSteps", "cast", "rank_step", "rank_step3", "rank_steps"]

@@ -16,7 +16,7 @@ same layout whose groups are fake (``_compat.fake_device_mesh``): its ``fully_sh
 shard the fake parameters as the real ones will be, and its step is the module's own
 ``training_step`` (``ModelParallelStrategy`` calls it directly). What a ``configure_model``
 does that cannot run there (a collective on a group it makes itself) is a ``ConfigError``
-naming it.
+naming it; tensor parallel on the same mesh does not run there (:func:`tensor_parallel_refused`).
 
 When: Lightning's FSDP moves the module to the device and shards it in
 ``strategy.setup``, after the callback's ``setup`` hook and before
@@ -55,6 +55,29 @@ def is_fsdp2(strategy: Any) -> bool:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return isinstance(strategy, ModelParallelStrategy)
+
+
+def tensor_parallel_refused(strategy: Any) -> ConfigError | None:
+    """The error for ``ckpt=auto`` under ``ModelParallelStrategy`` with a dimension of its mesh besides data
+    parallel (tensor parallel) larger than one, else None. ``parallelize_module`` distributes each parameter with
+    collectives on the mesh's groups, which the twin's fake groups do not carry (torch 2.13: "Group ... is not
+    registered"), so its layout cannot be measured; and a plan made on the whole module would price activations
+    that tensor parallel splits. A plan made without it names the same layers (``parallelize_module`` renames
+    none)."""
+    mesh = getattr(strategy, "device_mesh", None) if is_fsdp2(strategy) else None
+    names, shape = tuple(getattr(mesh, "mesh_dim_names", None) or ()), tuple(getattr(mesh, "shape", ()) or ())
+    split = {name: size for name, size in zip(names, shape, strict=False) if name != "data_parallel" and size > 1}
+    if not split:
+        return None
+    layout = ", ".join(f"{name}_size={size}" for name, size in split.items())
+    return ConfigError([Problem(
+        "ckpt.mode",
+        f"ckpt=auto cannot plan under trainer.strategy {type(strategy).__name__} with {layout}: the module's "
+        "configure_model lays out tensor parallelism with collectives the fake process groups that ckpt=auto "
+        "measures the sharded step on do not carry (data parallel alone, FSDP2's fully_shard, is planned)",
+        "plan the same module with tensor_parallel_size=1 (a ckpt=auto run writes ckpt_plan.json) and give the "
+        "file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)",
+    )])
 
 
 def plans_on_a_twin(strategy: Any) -> bool:
@@ -106,4 +129,4 @@ def _configured(twin: torch.nn.Module, pl_module: pl.LightningModule, strategy: 
     return twin
 
 
-__all__ = ["is_fsdp", "is_fsdp2", "plans_on_a_twin", "twin_of"]
+__all__ = ["is_fsdp", "is_fsdp2", "plans_on_a_twin", "tensor_parallel_refused", "twin_of"]

@@ -27,7 +27,7 @@ from ckpt_plugin._compat import checkpoint_wrapper_type
 from ckpt_plugin.engine.deepspeed import configure
 from ckpt_plugin.config.schema import AutoConfig, CkptConfig
 from ckpt_plugin.errors import ConfigError, Problem
-from ckpt_plugin.lightning.fsdp import plans_on_a_twin
+from ckpt_plugin.lightning.fsdp import plans_on_a_twin, tensor_parallel_refused
 from ckpt_plugin.lightning.zero import is_deepspeed, zero_refused
 
 
@@ -135,10 +135,13 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
     module's configure_model shards it with FSDP2. Under DeepSpeed that plans the activations (``ckpt.budget``):
     a ZeRO rank's forward runs each layer with its parameters whole, as the module's forward runs it. Its whole
     step (``ckpt.memory``, ``ckpt.batch=max``) is modelled for ZeRO-1, 2 and 3 in 32-bit precision (``zero.py``), the
-    rest refused there, naming the key. A given plan (ckpt.plan) runs no profile: allowed.
+    rest refused there, naming the key. Tensor parallel under ModelParallelStrategy is refused (``fsdp.py``). A
+    given plan (ckpt.plan) runs no profile: allowed.
     """
-    if not isinstance(config, AutoConfig) or config.plan is not None or not is_deepspeed(strategy):
+    if not isinstance(config, AutoConfig) or config.plan is not None:
         return None
+    if not is_deepspeed(strategy):
+        return tensor_parallel_refused(strategy)
     name = _deepspeed_name(strategy)
     if config.read_memory is not None:
         return zero_refused(strategy, "ckpt.memory", config.memory)

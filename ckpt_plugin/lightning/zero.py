@@ -7,10 +7,10 @@ what is offloaded leaves the device's step, on the CPU (the host is the device) 
 
 What is not modelled yet is refused on every rank in ``setup``, naming the key: offload under ZeRO-1/2, to NVMe, or
 of part of the optimizer (``ratio``); ``contiguous_gradients=false`` (gradients that stay whole until their bucket
-is reduced), a precision other than 32-bit and bf16 (fp16's loss scaling), ZeRO-3 in bf16, and under bf16
-gradients accumulated or communicated in another dtype than the module's. Under bf16 (ZeRO-1/2) the fake step runs
-on the module's parameters cast as DeepSpeed casts them (``apply/zero.cast``) and the batch as Lightning's
-precision converts it.
+is reduced), a precision other than 32-bit and bf16 (fp16's loss scaling), and under bf16 gradients accumulated or
+communicated in another dtype than the module's. Under bf16 the fake step runs on the module's parameters cast as
+DeepSpeed casts them (``apply/zero.cast``) and the batch as Lightning's precision converts it; the optimizer steps
+float32 partitions, as DeepSpeed's (``measure/flat_step.py``).
 """
 
 from __future__ import annotations
@@ -85,19 +85,13 @@ def zero_refused(strategy: Any, key: str, value: Any) -> ConfigError | None:
         what = "trainer.precision"
     elif precision.startswith("bf16") and (given := _dtype_keys(strategy.config)):
         why, what = "gradients accumulated or communicated in another dtype than the module's: not modelled yet", given
-    elif precision.startswith("bf16") and stage == 3:
-        # On hf.llama with both layers recomputed a rank's bf16 step measured 5.8 % above the prediction (an
-        # engine's flow, docs/fit-a-gpu.md): not traced yet, so not offered. ZeRO-1/2 in bf16 are upper bounds.
-        why = ("ZeRO-3 in bf16 is not modelled yet (a rank's step measured 5.8 % above the prediction with every "
-               "layer recomputed; ZeRO-1 and ZeRO-2 in bf16 are)")
-        what = "trainer.precision"
     if why is None:
         return None
     return ConfigError([Problem(
         key,
         f"{key}={value} cannot be planned under trainer.strategy {name}: {why} ({what}); under DeepSpeed "
-        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision (ZeRO-3 with offload "
-        "to cpu too) and ZeRO-1 and ZeRO-2 in bf16, their buffers from the config",
+        "ckpt.memory and ckpt.batch=max plan ZeRO-1, ZeRO-2 and ZeRO-3 in 32-bit precision and bf16 (ZeRO-3 "
+        "with offload to cpu too), their buffers from the config",
         "here plan the activations with ckpt.budget (a fraction of the activation peak without checkpointing, or "
         "min), give a plan file with ckpt.plan=<file>, or choose a fixed mode (ckpt=full, ckpt=selective, "
         "ckpt=offload)",
