@@ -58,6 +58,9 @@ def model(strategy: str) -> GPT:
     torch.manual_seed(7)
     if strategy == "tensor_parallel":
         return TensorParallelGPT(**SIZE)
+    if strategy == "fsdp2_meta":  # as trainer.init_module(empty_init=True) builds it under ModelParallelStrategy
+        with torch.device("meta"):
+            return SGDGPT(**SIZE)
     return SGDGPT(**SIZE, defer_init=strategy == "model_parallel")  # "fsdp2": FSDP2 too, the layers built in __init__
 
 
@@ -72,7 +75,7 @@ def strategy_of(name: str) -> Any:
 
     if name == "fsdp":  # one root unit: a wrap policy per block renames the blocks (blocks.0._fsdp_wrapped_module)
         return CPUFSDPStrategy()
-    if name in ("model_parallel", "fsdp2", "tensor_parallel"):
+    if name in ("model_parallel", "fsdp2", "fsdp2_meta", "tensor_parallel"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         tp = 2 if name == "tensor_parallel" else 1

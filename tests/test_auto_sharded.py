@@ -45,6 +45,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "tp_none": ["tensor_parallel", None],
         "tp_plan": ["tensor_parallel", {"mode": "auto", "plan": plan}],
         "tp_auto": ["tensor_parallel", {"mode": "auto", "budget": 0.5}],
+        "fsdp2_meta_auto": ["fsdp2_meta", {"mode": "auto", "budget": 0.5}],  # parameters on the meta device
         "zero3_auto": ["deepspeed_zero3", {"mode": "auto", "budget": 0.5}],
         "zero2_none": ["deepspeed_zero2", None],
         "zero2_auto": ["deepspeed_zero2", {"mode": "auto", "budget": 0.5}],
@@ -118,6 +119,18 @@ def test_under_fsdp2_layers_built_in_configure_model_are_a_config_error_on_every
     assert errors[0] == errors[1] and errors[0][0] == "ConfigError"
     assert ("under ModelParallelStrategy ckpt=auto plans in the callback's setup, while the module is whole, "
             "before SGDGPT.configure_model (or setup) builds layers") in errors[0][1]
+
+
+def test_under_fsdp2_parameters_on_the_meta_device_are_a_config_error_on_every_rank(out: Path) -> None:
+    """trainer.init_module(empty_init=True) builds the module on the meta device, which the strategy materializes
+    after the callback's setup, where ckpt=auto plans: said, with the ways out, not a copy out of a meta tensor."""
+    said = ("ckpt=auto plans in the callback's setup, before ModelParallelStrategy shards the module, and SGDGPT's "
+            "parameters are on the meta device (29 of them, tok_emb.weight first: "
+            "trainer.init_module(empty_init=True)), where no step can run; build the module with "
+            "trainer.init_module(empty_init=False) (its parameters in host memory until the strategy shards them), "
+            "or give a plan made so with ckpt.plan=<its ckpt_plan.json>, or choose a fixed mode (ckpt=full, "
+            "ckpt=selective, ckpt=offload)")
+    assert [r["error"] for r in ranks(out, "fsdp2_meta_auto")] == [["ConfigError", said]] * 2
 
 
 def test_under_tensor_parallel_ckpt_auto_is_refused_on_every_rank_and_a_given_plan_installs_bitwise(out: Path) -> None:

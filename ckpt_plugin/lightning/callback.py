@@ -253,6 +253,16 @@ class ActivationCheckpointing(pl.Callback):
         if self.config.plan is not None:
             self._early = (plan_for(pl_module, self.config), before)
             return
+        on_meta = [name for name, p in pl_module.named_parameters() if p.is_meta]
+        if on_meta:  # trainer.init_module(empty_init=True): the strategy materializes them after this hook
+            raise ConfigError([Problem(
+                "ckpt.mode",
+                f"ckpt=auto plans in the callback's setup, before {type(trainer.strategy).__name__} shards the module, "
+                f"and {type(pl_module).__name__}'s parameters are on the meta device ({len(on_meta)} of them, "
+                f"{on_meta[0]} first: trainer.init_module(empty_init=True)), where no step can run",
+                "build the module with trainer.init_module(empty_init=False) (its parameters in host memory until "
+                "the strategy shards them), or give a plan made so with ckpt.plan=<its ckpt_plan.json>, or choose "
+                "a fixed mode (ckpt=full, ckpt=selective, ckpt=offload)")])
         step = self._measured(trainer, pl_module, planning=True)
         plan, batch = self._agreed_plan(trainer, pl_module, step.run, before_sharding=True)
         if batch is not None:
