@@ -15,14 +15,13 @@ first, the second tracked by MemTracker).
 
 from __future__ import annotations
 
-import contextlib
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ckpt_plugin._compat import CategoryPeakTracker, fake_tensor_mode, storage_key
+from ckpt_plugin.measure.whole_step import optimizers_over
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ def flat_stepping(optimizers: Sequence[torch.optim.Optimizer], partitions: Seque
                  for groups in partitions]
         for flat in _present(flats):
             flat.grad = torch.zeros_like(flat)
-        with _stepping_flats(optimizers, flats):
+        with optimizers_over(optimizers, lambda i, j, _params: [flats[i][j]] if flats[i][j] is not None else []):
             _steps(optimizers, flats)  # the state, as the first step makes it
             state = sum(_storages(o.state for o in optimizers).values())
             tracker = CategoryPeakTracker()
@@ -64,25 +63,6 @@ def _steps(optimizers: Sequence[torch.optim.Optimizer], flats: list[list[torch.T
             optimizer.step()
         for group, flat in zip(optimizer.param_groups, groups, strict=True):
             group["params"] = [flat] if flat is not None else []
-
-
-@contextlib.contextmanager
-def _stepping_flats(optimizers: Sequence[torch.optim.Optimizer],
-                    flats: list[list[torch.Tensor | None]]) -> Iterator[None]:
-    """The optimizers over ``flats`` from no state, as DeepSpeed sets their groups' ``params``; put back after."""
-    saved = [(o, o.state, [g["params"] for g in o.param_groups], dict(o.__dict__)) for o in optimizers]
-    try:
-        for optimizer, groups in zip(optimizers, flats, strict=True):
-            optimizer.state = defaultdict(dict)
-            for group, flat in zip(optimizer.param_groups, groups, strict=True):
-                group["params"] = [flat] if flat is not None else []
-        yield
-    finally:
-        for optimizer, state, params, attributes in saved:
-            optimizer.__dict__.update(attributes)  # step counters an LR scheduler's wrapper keeps
-            optimizer.state = state
-            for group, kept in zip(optimizer.param_groups, params, strict=True):
-                group["params"] = kept
 
 
 def _present(flats: list[list[torch.Tensor | None]]) -> list[torch.Tensor]:

@@ -199,19 +199,27 @@ def _same(one: Any, other: torch.device) -> bool:
                                        or one.index == other.index)
 
 
-@contextlib.contextmanager
-def _optimizers_on(optimizers: Sequence[torch.optim.Optimizer], copies: dict[int, torch.Tensor]) -> Iterator[None]:
-    """The optimizers stepping the fake copies of their parameters, from no state; put back as they were.
+def _optimizers_on(optimizers: Sequence[torch.optim.Optimizer],
+                   copies: dict[int, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+    """The optimizers stepping the fake copies of their parameters (:func:`optimizers_over`).
 
     ``copies``: id of a real parameter -> its fake copy (``on_fake_model``). A parameter the model does not
     hold (an optimizer over more than the module) has no copy and stays out of the fake step.
     """
+    return optimizers_over(optimizers, lambda i, j, params: [copies[id(p)] for p in params if id(p) in copies])
+
+
+@contextlib.contextmanager
+def optimizers_over(optimizers: Sequence[torch.optim.Optimizer],
+                    params: Callable[[int, int, list[torch.Tensor]], list[torch.Tensor]]) -> Iterator[None]:
+    """The optimizers over other tensors, from no state: ``params(i, j, group_params)`` those of optimizer ``i``'s
+    group ``j``; put back as they were (their state, their groups' parameters, their attributes)."""
     saved = [(o, o.state, [g["params"] for g in o.param_groups], dict(o.__dict__)) for o in optimizers]
     try:
-        for optimizer in optimizers:
+        for i, optimizer in enumerate(optimizers):
             optimizer.state = defaultdict(dict)
-            for group in optimizer.param_groups:
-                group["params"] = [copies[id(p)] for p in group["params"] if id(p) in copies]
+            for j, group in enumerate(optimizer.param_groups):
+                group["params"] = params(i, j, group["params"])
         yield
     finally:
         for optimizer, state, params, attributes in saved:
@@ -221,4 +229,4 @@ def _optimizers_on(optimizers: Sequence[torch.optim.Optimizer], copies: dict[int
                 group["params"] = kept
 
 
-__all__ = ["CATEGORIES", "Around", "Held", "StepSplit", "split_of", "whole_step"]
+__all__ = ["CATEGORIES", "Around", "Held", "StepSplit", "optimizers_over", "split_of", "whole_step"]
