@@ -296,3 +296,15 @@ def test_a_zero_3_bucket_reduced_while_a_recomputed_block_s_activations_live_is_
                        stepping=STEPPING, largest=50)
     backward = (1_600 - 800 + own + own) + own + 2_000 // 2 + 5_000 + 300 + 50 * 4
     assert quiet.peak == backward + 64 + 100 * 4
+
+
+def test_zero_1_2_s_reduce_buffers_are_not_in_the_optimizer_s_step() -> None:
+    """DeepSpeed makes the reduce buffers at backward's start and frees them at its end (``setup_buckets``,
+    ``_release_ipg_buffers``); grads_in_partition's views go before the optimizer steps. An optimizer whose step
+    holds 20,000 B of temporaries on the partition: the step leads, without the buffers and grads_in_partition."""
+    zero = Zero(stage=2, world=2, reduce_bucket_size=1_000, overlap_comm=True)
+    step = rank_step(MODULE, zero, groups=[250], stepping=Stepping(state=1_000, temporaries=20_000), largest=50)
+    partition = 125 * 4
+    persistent = 1_000 + partition + 1_000  # parameters, master copy, state
+    assert step.peak == persistent + 20_000 + partition + 64  # + the float32 gradient, the batch
+    assert [h.by for h in step.held] == ["the batch"]

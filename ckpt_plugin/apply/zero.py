@@ -12,8 +12,9 @@ parameters, the gradients and the optimizer's state in float32):
   (modelled); no gradient outlives a step (the master copy's float32 one is freed after it);
 - the optimizer's state on its partition: measured on fake flat partitions as DeepSpeed steps them
   (``measure/flat_step.py``: one group at a time), with its step's temporaries;
-- while backward runs, the reduce buffer (``contiguous_gradients``): ``reduce_bucket_size`` elements of the
-  gradients' dtype, two with ``overlap_comm`` (modelled from the config); each gradient is copied into it as
+- while backward runs (from its start to its end, not in the optimizer's step), the reduce buffer
+  (``contiguous_gradients``): ``reduce_bucket_size`` elements of the gradients' dtype, two with ``overlap_comm``
+  (modelled from the config); each gradient is copied into it as
   backward makes it, so the gradients never all live at once: backward's peak is the module's less its
   gradients (``StepSplit.gradless``, measured), one gradient in hand;
 - ``grads_in_partition`` (the partition and the parameter on its edge), made each step at the first bucket of
@@ -125,16 +126,25 @@ def rank_step(split: StepSplit, zero: Zero, groups: Sequence[int], stepping: Ste
     # grads_in_partition was made in 1 run in 5 (docs/fit-a-gpu.md). Both are counted.
     flat = min(zero.reduce_bucket_size, sum(groups)) * zero.grad_bytes
     epilogue = {**persistent, "temp": flat + reduced}
-    # The step flattens grads_in_partition into the float32 gradient of the partition (a copy; in 16 bits the
-    # flattened copy first, then its float32 one), and steps.
+    # The optimizer's step, group by group: grads_in_partition flattened into the float32 gradient of the
+    # partition (a copy; in 16 bits the flattened copy first, then its float32 one, the first deleted at once);
+    # then the gradients' views into grads_in_partition freed (``free_grad_in_param_list``) and the optimizer
+    # stepped on the partition, its temporaries beside. grads_in_partition is one tensor for every group: with
+    # several, it lives until the last group's views go, so it is counted through the step.
     flattened = partition + (elements * zero.grad_bytes if zero.grad_bytes != FLOAT32 else 0)
-    step = {**persistent, "optstate": persistent["optstate"] + stepping.temporaries,
-            "activation": opt.get("activation", 0), "gradient": flattened, "temp": opt.get("temp", 0) + reduced,
-            "other": opt.get("other", 0)}
-    at_peak = max(backward, epilogue, step, key=lambda c: sum(c.values()))
-    total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + zero.buffers.bytes
+    around = {"activation": opt.get("activation", 0), "other": opt.get("other", 0)}
+    converting = {**persistent, **around, "gradient": flattened, "temp": opt.get("temp", 0) + reduced}
+    step = {**persistent, **around, "optstate": persistent["optstate"] + stepping.temporaries, "gradient": partition,
+            "temp": opt.get("temp", 0) + (reduced if len(groups) > 1 else 0)}
+    # The reduce buffers live from backward's start to its end (``setup_buckets``, ``_release_ipg_buffers``): in
+    # backward and its epilogue, not in the optimizer's step.
+    buffers = zero.buffers.bytes
+    moments = [(backward, buffers), (epilogue, buffers), (converting, 0), (step, 0)]
+    at_peak, beside = max(moments, key=lambda m: sum(m[0].values()) + m[1])
+    total = sum(at_peak.values()) + sum(h.bytes for h in split.held) + beside
     return replace(split, peak=total, at_peak={c: at_peak.get(c, 0) for c in split.at_peak} | at_peak,
-                   held=(*split.held, zero.buffers), cuda_allocated=None, cuda_reserved=None)
+                   held=(*split.held, zero.buffers) if beside else split.held, cuda_allocated=None,
+                   cuda_reserved=None)
 
 
 def rank_step3(split: StepSplit, zero: Zero3, partitions: int, trained: int, whole: int, stepping: Stepping,
