@@ -134,7 +134,7 @@ def planning_refused(strategy: Any, config: CkptConfig) -> ConfigError | None:
     (``callback.py``), before the strategy shards or hooks anything, and under ModelParallelStrategy before the
     module's configure_model shards it with FSDP2. Under DeepSpeed that plans the activations (``ckpt.budget``):
     a ZeRO rank's forward runs each layer with its parameters whole, as the module's forward runs it. Its whole
-    step (``ckpt.memory``, ``ckpt.batch=max``) is modelled for ZeRO-1, 2 and 3 in 32-bit precision (``zero.py``), the
+    step (``ckpt.memory``, ``ckpt.batch=max``) is modelled for ZeRO-1, 2 and 3 in 32 bits and bf16 (``zero.py``), the
     rest refused there, naming the key. Tensor parallel under ModelParallelStrategy is refused (``fsdp.py``). A
     given plan (ckpt.plan) runs no profile: allowed.
     """
